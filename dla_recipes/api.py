@@ -1,0 +1,174 @@
+"""The two calls most users need: ``load`` a model as a StandardizedTransformer, and ``attribute`` a logit.
+
+``attribute`` checks its input on the client, resolves the family table against the model (``plan.py``), runs the
+in-trace recipe (``recipe.py``) locally or on an NDIF server, and returns an ``Attribution`` after checking that the
+parts sum to the model's own logit; a family whose parts do not sum raises ``ExactnessError`` instead of returning
+a wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import nnsight
+import torch
+
+from . import _compat  # noqa: F401  (before nnterp)
+from .attribution import Attribution
+from .errors import ExactnessError
+from .families import family_of
+from .inputs import prepare
+from .plan import Granularity, build_plan, check_granularity
+from .recipe import Readout, direct_logit_attribution
+
+# Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _model_dtype(model) -> torch.dtype:
+    try:
+        return model.lm_head.weight.dtype
+    except AttributeError:
+        return torch.float32
+
+
+def load(model, tokenizer=None, **kwargs):
+    """Load ``model`` as an nnterp ``StandardizedTransformer`` with the nnsight 0.8 compatibility fix applied.
+
+    Args:
+        model: a hub id or local folder (str / path), an already-built transformers model, or a
+            StandardizedTransformer (returned as is).
+        tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
+        **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
+            the model without weights for NDIF). The family table's loading needs (a ``RenameConfig`` for Phi,
+            RecurrentGemma, Zamba2; ``allow_multimodal``; ``check_renaming``) are filled in unless given.
+    """
+    from nnterp import StandardizedTransformer
+    from nnterp.rename_utils import RenameConfig
+
+    if isinstance(model, StandardizedTransformer):
+        return model
+    if hasattr(model, "__fspath__"):
+        model = str(model)
+    config = getattr(model, "config", None)
+    if config is None and isinstance(model, str):
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model)
+        except Exception:  # offline hub id: load without the family's loading hints
+            config = None
+    if config is not None:
+        try:
+            family = family_of(config)
+        except ValueError:
+            family = None
+        if family is not None:
+            if family.rename and "rename_config" not in kwargs:
+                kwargs["rename_config"] = RenameConfig(**family.rename)
+            for key, value in family.load_kwargs.items():
+                kwargs.setdefault(key, value)
+    if isinstance(tokenizer, str) or hasattr(tokenizer, "__fspath__"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    if tokenizer is None and not isinstance(model, str):
+        name = getattr(getattr(model, "config", None), "name_or_path", None)
+        if name:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        else:
+            raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
+    return StandardizedTransformer(model, **kwargs)
+
+
+def _register_for_remote() -> None:
+    import dla_recipes
+
+    nnsight.register(dla_recipes)
+
+
+def run_trace(model, plan, batch, by: Granularity, remote=False) -> Readout:
+    """One trace running the recipe on ``batch``; ``remote``: False, True (NDIF) or a server URL."""
+    trace_kwargs = {}
+    if remote:
+        _register_for_remote()
+        trace_kwargs["remote"] = remote
+    positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
+    with model.trace(dict(batch.encoding), **trace_kwargs):
+        readout = direct_logit_attribution(model, plan, positions, targets, contrasts, by)
+        readout = nnsight.save(readout)
+    return readout
+
+
+def attribute(
+    model,
+    prompts: str | Sequence[str],
+    target,
+    *,
+    contrast=None,
+    position: int = -1,
+    by: Granularity = "block",
+    remote=False,
+    tolerance: float | None = None,
+) -> Attribution:
+    """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
+
+    Args:
+        model: a ``StandardizedTransformer`` (``dla_recipes.load``).
+        prompts: a string or a list of strings (a batch, padded as nnsight pads).
+        target, contrast: a token string (``" Paris"``) or id; one for all prompts or one per prompt.
+        position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
+            never shifts it.
+        by: ``"block"`` (embed, then each block's attention and MLP), ``"head"`` or ``"neuron"``.
+        remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
+            or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
+        tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
+
+    Returns:
+        An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
+        ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
+    """
+    check_granularity(by)
+    batch = prepare(model, prompts, target, contrast, position)
+    plan = build_plan(model)
+    readout = run_trace(model, plan, batch, by, remote)
+    values = readout.values.float()
+    total = values.sum(-1) + readout.constant
+    gaps = (total - readout.logit).abs()
+    error = float(gaps.max())
+    rtol = tolerance if tolerance is not None else TOLERANCE.get(_model_dtype(model), 1e-4)
+    bound = rtol * torch.clamp(readout.logit.abs(), min=1.0)
+    head_error = float(readout.head_error)
+    if head_error > float(rtol * torch.clamp(readout.output_logit.abs(), min=1.0).max()):
+        raise ExactnessError(
+            f"family {plan.family.name!r}: the family table's final head (logit scale {plan.logit_scale}, soft-cap "
+            f"{plan.softcap}) does not reproduce the model's output logits (off by {head_error:.3g}); fix its "
+            "logits_times / logits_over / softcap entry in dla_recipes/families.py"
+        )
+    if bool((gaps > bound).any()):
+        worst = int(torch.argmax(gaps / bound))
+        raise ExactnessError(
+            f"family {plan.family.name!r}: the parts sum to {float(total[worst]):.6g} but the model's own logit is "
+            f"{float(readout.logit[worst]):.6g} (prompt {worst}, error {float(gaps[worst]):.3g} > tolerance "
+            f"{float(bound[worst]):.3g}, by={by!r}). The family table entry does not describe what this model's "
+            "blocks add to the residual stream; dla_recipes refuses to return a wrong attribution."
+        )
+    return Attribution(
+        values=values,
+        labels=plan.labels(by),
+        constant=readout.constant.float(),
+        logit=readout.logit.float(),
+        output_logit=readout.output_logit.float(),
+        error=error,
+        prompts=batch.prompts,
+        target_tokens=batch.target_tokens,
+        contrast_tokens=batch.contrast_tokens,
+        positions=tuple(batch.positions.tolist()),
+        by=by,
+        family=plan.family.name,
+        diagnostics={"norm_fit_error": float(readout.norm_fit_error), "head_error": head_error},
+    )

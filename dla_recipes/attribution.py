@@ -1,0 +1,104 @@
+"""``Attribution``: the result of ``attribute``, a few tensors with labels, and views a researcher reads.
+
+``values.sum(-1) + constant == logit`` for every prompt, to float error (``error`` says how close).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_LABEL = re.compile(r"^L(\d+)\.(H|N)(\d+)$")
+
+
+@dataclass
+class Attribution:
+    """Per-component contributions to one logit (or logit difference) per prompt.
+
+    Attributes:
+        values: ``[batch, n_components]`` float32, in ``labels`` order (forward order).
+        labels: ``"embed"``, ``"L0.attn"``, ``"L0.mlp"``, ... and ``"L3.H5"`` / ``"L3.N127"`` at head / neuron
+            granularity (a block label then holds the block's rest: biases, post-norm bias).
+        constant: ``[batch]``: the final norm's bias and ``lm_head``'s bias, read through the head (no component's).
+        logit: ``[batch]``: the model's own logit (difference) that the parts sum to: before any soft-cap.
+        output_logit: ``[batch]``: the model's output logit (difference): after the soft-cap where the family
+            has one (Gemma 2, RecurrentGemma), else equal to ``logit``.
+        error: max over prompts of ``|values.sum(-1) + constant - logit|``.
+        prompts, target_tokens, contrast_tokens, positions: what was attributed.
+        by: ``"block"``, ``"head"`` or ``"neuron"``.  family: the family table entry's name.
+    """
+
+    values: torch.Tensor
+    labels: list[str]
+    constant: torch.Tensor
+    logit: torch.Tensor
+    output_logit: torch.Tensor
+    error: float
+    prompts: tuple[str, ...] = ()
+    target_tokens: tuple[str, ...] = ()
+    contrast_tokens: tuple[str, ...] | None = None
+    positions: tuple[int, ...] = ()
+    by: str = "block"
+    family: str = ""
+    diagnostics: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``[batch]``: ``values.sum(-1) + constant``, the reconstructed logit."""
+        return self.values.sum(-1) + self.constant
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def to_frame(self):
+        """A pandas DataFrame: one row per component, one column per prompt (plus ``constant`` and ``logit`` rows)."""
+        import pandas as pd
+
+        columns = [f"{i}: {p[-40:]}" for i, p in enumerate(self.prompts)] or list(range(len(self)))
+        frame = pd.DataFrame(self.values.T.numpy(), index=pd.Index(self.labels, name="component"), columns=columns)
+        extra = pd.DataFrame(
+            [self.constant.numpy(), self.logit.numpy()], index=["constant", "logit"], columns=columns
+        )
+        return pd.concat([frame, extra])
+
+    def top(self, k: int = 10, prompt: int = 0, by_abs: bool = True):
+        """The ``k`` largest contributions for one prompt, as a DataFrame (``component``, ``value``, ``share``).
+
+        ``share`` is the value over the logit the parts sum to. ``by_abs=False`` ranks by signed value.
+        """
+        import pandas as pd
+
+        if not -len(self) <= prompt < len(self):
+            raise IndexError(f"prompt {prompt} is outside this attribution of {len(self)} prompts")
+        row = self.values[prompt]
+        order = torch.argsort(row.abs() if by_abs else row, descending=True)[:k]
+        logit = float(self.logit[prompt])
+        return pd.DataFrame(
+            {
+                "component": [self.labels[i] for i in order.tolist()],
+                "value": row[order].numpy(),
+                "share": (row[order] / logit).numpy() if logit != 0 else float("nan"),
+            }
+        )
+
+    def grid(self, kind: str = "H") -> torch.Tensor:
+        """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where absent."""
+        found = [(int(m.group(1)), int(m.group(3)), j) for j, lab in enumerate(self.labels)
+                 if (m := _LABEL.match(lab)) and m.group(2) == kind]
+        if not found:
+            raise ValueError(f"this attribution has no {'head' if kind == 'H' else 'neuron'} components (by={self.by!r})")
+        layers = max(f[0] for f in found) + 1
+        parts = max(f[1] for f in found) + 1
+        out = torch.full((len(self), layers, parts), float("nan"))
+        for layer, part, j in found:
+            out[:, layer, part] = self.values[:, j]
+        return out
+
+    def __repr__(self) -> str:
+        contrast = f" - {list(self.contrast_tokens)}" if self.contrast_tokens else ""
+        return (
+            f"Attribution({self.family}, by={self.by!r}, {len(self)} prompt(s) x {len(self.labels)} components, "
+            f"target {list(self.target_tokens)}{contrast}, logit {self.logit.tolist()}, error {self.error:.2e})"
+        )

@@ -1,0 +1,151 @@
+"""The family table: every per-family fact dla_recipes uses, as data, in this one module.
+
+The attribution math (``recipe.py``) never asks which family it runs on. It asks this table three questions, and
+each family answers with one ``Family`` entry:
+
+1. **What does each block add to its residual stream?** A tuple of ``Term``: where the added tensor is read
+   (``output``), which linear map's input splits it into heads or neurons (``projection``), a norm between that map
+   and the add (``post_norm``), a config multiplier (``multiplier``), an affine merge (``scale``, ``bias``).
+2. **What acts on the stream itself after a term is written?** ``Term.stream_scale`` / ``Term.stream_bias`` (the
+   stream is ``(stream + stream_bias) * stream_scale`` when the term is added, as on Doge and ZAYA) and
+   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4).
+3. **What does the final head apply after the final norm and ``lm_head``?** ``logits_times`` / ``logits_over`` (a
+   config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit).
+
+Paths are relative to the block envoy (``model.layers[i]``) in nnterp's renamed vocabulary (``self_attn``, ``mlp``),
+with native names below that. An entry may hold several layer kinds (hybrids); the first kind whose ``when`` path
+exists on a block is that block's kind.
+
+Adding a family: one ``Family`` entry in ``FAMILIES`` and one tiny model in ``dla_recipes.testing.tiny``; the
+test suite then checks it for exactness against the model's own logits at every granularity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .errors import UnknownFamilyError
+
+Split = Literal["heads", "neurons"]
+
+
+@dataclass(frozen=True)
+class Term:
+    """One term a block writes into the residual stream.
+
+    The stream after the term is ``(stream + stream_bias) * stream_scale + write`` where
+    ``write = (read(output) + bias) * scale * config[multiplier]`` and ``read(output)`` is
+    ``post_norm(projection(projection.input))`` when those are given.
+
+    Attributes:
+        name: the label suffix (``"attn"``, ``"mlp"``, ``"mixer"``, ...): components are labelled ``f"L{i}.{name}"``.
+        output: the tensor added (before ``multiplier`` / ``scale`` / ``bias``): ``"<path>.output"`` or
+            ``"<path>.input"``; a tuple value is read at its first element.
+        split: ``"heads"`` or ``"neurons"`` when ``projection``'s input splits the term, else ``None``.
+        projection: the linear map (``nn.Linear`` or GPT-2's ``Conv1D``) whose input is the per-head outputs
+            ``[batch, pos, heads * head_dim]`` or the neuron activations ``[batch, pos, d_mlp]``.
+        post_norm: a norm between ``projection`` and ``output`` (sandwich / post-norm families).
+        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``).
+        scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
+        stream_scale, stream_bias: parameter paths acting on the stream as this term is added.
+        clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
+    """
+
+    name: str
+    output: str
+    split: Split | None = None
+    projection: str | None = None
+    post_norm: str | None = None
+    multiplier: str | None = None
+    scale: str | None = None
+    bias: str | None = None
+    stream_scale: str | None = None
+    stream_bias: str | None = None
+    clone: bool = False
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """The terms of one kind of block; ``when`` is a path that exists only on blocks of this kind (None: any)."""
+
+    terms: tuple[Term, ...]
+    when: str | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything dla_recipes knows about one decoder family. See the module docstring."""
+
+    name: str
+    model_types: tuple[str, ...]
+    kinds: tuple[LayerKind, ...]
+    layer_scale: str | None = None
+    logits_times: str | None = None
+    logits_over: str | None = None
+    softcap: str | None = None
+    rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
+    load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
+    notes: str = ""
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        """The terms of the family's first (for most families, only) layer kind."""
+        return self.kinds[0].terms
+
+
+# --- the shared shapes -------------------------------------------------------------------------------------------
+
+def _sequential(
+    attn_proj: str = "o_proj",
+    mlp_proj: str = "down_proj",
+    *,
+    attn_post: str | None = None,
+    mlp_post: str | None = None,
+    multiplier: str | None = None,
+    attn: str = "self_attn",
+    mlp: str = "mlp",
+) -> tuple[LayerKind, ...]:
+    """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
+    attn_out = f"{attn_post}.output" if attn_post else f"{attn}.output"
+    mlp_out = f"{mlp_post}.output" if mlp_post else f"{mlp}.output"
+    return (
+        LayerKind(
+            (
+                Term("attn", attn_out, "heads", f"{attn}.{attn_proj}", post_norm=attn_post, multiplier=multiplier),
+                Term("mlp", mlp_out, "neurons", f"{mlp}.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier),
+            )
+        ),
+    )
+
+
+LLAMA_LIKE = _sequential()
+
+# --- the table ---------------------------------------------------------------------------------------------------
+
+FAMILIES: tuple[Family, ...] = (
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj")),
+    Family("llama", ("llama",), LLAMA_LIKE),
+    Family("mistral", ("mistral",), LLAMA_LIKE),
+    Family("qwen2", ("qwen2",), LLAMA_LIKE),
+    Family("qwen3", ("qwen3",), LLAMA_LIKE),
+    Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
+    Family("cohere", ("cohere",), LLAMA_LIKE, logits_times="logit_scale", notes="parallel block; weight-only LayerNorm."),
+)
+
+
+def family_of(model_or_config) -> Family:
+    """The ``Family`` entry for a model (a StandardizedTransformer, a transformers model) or its config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = getattr(config, "text_config", None) or config
+    model_type = getattr(config, "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    known = ", ".join(sorted(t for f in FAMILIES for t in f.model_types))
+    raise UnknownFamilyError(
+        f"dla_recipes has no family entry for model_type {model_type!r} ({type(model_or_config).__name__}). "
+        f"Known model types: {known}. To add one, describe what its blocks add to the residual stream as a "
+        "`Family` entry in dla_recipes/families.py (usually one line: see the module docstring) and add a tiny "
+        "model for it in dla_recipes/testing/tiny.py; the test suite then checks it against the model's own logits."
+    )

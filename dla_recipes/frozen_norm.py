@@ -1,0 +1,172 @@
+"""The frozen norm: any LayerNorm-like module turned into a linear map at the real stream it read.
+
+A norm ``y = gain * center(x) * scale(x) + bias`` is linear in ``x`` except for one step, the per-position
+``scale(x) = 1 / sqrt(mean(center(x)**2) + eps)``. Freezing that scale at the stream the model really fed the norm
+makes the norm linear, so the parts of a decomposed stream pass through it one by one and still sum to its output.
+
+``FrozenNorm`` learns the norm only by calling it (no family table, no weight names):
+
+- on zeros it returns its ``bias`` (zeros for RMSNorm);
+- on ones it returns the bias again exactly when it ``centers`` (subtracts the mean, as LayerNorm does);
+- on a +/-1 vector (mean 0, mean square 1) it returns ``bias + gain * v / sqrt(1 + eps)``, which gives the ``gain``
+  (``w`` for LayerNorm and RMSNorm, ``1 + w`` for Gemma's RMSNorm, ones for a LayerNorm without affine); ``eps`` is
+  read off a second probe at a small amplitude, so no attribute name is needed.
+
+The scale is then fitted at the real stream from the norm's real output (least squares per position), so the
+frozen map reproduces the module's own output to rounding, in whatever precision the module computed it:
+``frozen(stream) + frozen.bias == norm(stream)``.
+
+Every call here is an ordinary module call outside a trace, and an ad hoc envoy call inside one (nnsight stands
+the trace down for it), so a ``FrozenNorm`` can be built server side in a remote trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SMALL_AMPLITUDE = 1e-2  # second probe for eps: large enough to stay exact in float32, small enough to feel eps
+
+
+def _center(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True)
+
+
+def _norm_dtype(norm) -> torch.dtype:
+    for parameter in norm.parameters():
+        return parameter.dtype
+    return torch.float32
+
+
+def _norm_device(norm) -> torch.device:
+    for parameter in norm.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+@dataclass
+class NormProbe:
+    """What probing a norm module revealed: ``norm(x) = gain * center(x) * scale(x) + bias``.
+
+    Attributes:
+        bias: ``[d_model]`` float32, the norm's output on zeros.
+        gain: ``[d_model]`` float32, the per-channel gain (``w``, or ``1 + w`` on Gemma).
+        centers: whether the norm subtracts the mean (LayerNorm) or not (RMSNorm).
+        eps: the epsilon the probes imply (diagnostic only: the frozen scale is fitted, not computed from it).
+    """
+
+    bias: torch.Tensor
+    gain: torch.Tensor
+    centers: bool
+    eps: float
+
+    def center(self, x: torch.Tensor) -> torch.Tensor:
+        """``center(x)`` on the last axis: the mean removed if the norm centers, ``x`` unchanged otherwise."""
+        return _center(x) if self.centers else x
+
+    def freeze(self, stream: torch.Tensor, output: torch.Tensor | None = None, norm=None) -> "FrozenNorm":
+        """Freeze the scale at ``stream`` ``[..., d_model]``; ``output`` is the norm's real output there (or call ``norm``)."""
+        return FrozenNorm(norm, stream, output=output, probe=self)
+
+
+def probe_norm(norm) -> NormProbe:
+    """Probe a norm module (or an nnsight envoy of one) with zeros, ones and a +/-1 vector; see the module docstring."""
+    module = getattr(norm, "_module", norm)
+    d_model = _width(module)
+    dtype, device = _norm_dtype(module), _norm_device(module)
+    with torch.no_grad():
+        probes = torch.zeros(4, d_model, dtype=torch.float32)
+        probes[1] = 1.0
+        alternating = torch.ones(d_model, dtype=torch.float32)
+        alternating[1::2] = -1.0
+        if d_model % 2:  # keep the mean exactly 0 and the mean square exactly 1 on an odd width
+            alternating[-1] = 0.0
+            alternating *= (d_model / (d_model - 1)) ** 0.5
+        probes[2] = alternating
+        probes[3] = alternating * _SMALL_AMPLITUDE
+        out = norm(probes.to(device=device, dtype=dtype)).float().cpu()
+        bias = out[0]
+        centers = bool(torch.allclose(out[1], bias, rtol=1e-3, atol=1e-5 * max(1.0, float(bias.abs().max()))))
+        unit, small = out[2] - bias, out[3] - bias
+        mask = alternating != 0
+        # unit = g v / sqrt(1 + eps), small = g a v / sqrt(a^2 + eps): unit / small = sqrt(a^2 + eps) / (a sqrt(1 + eps)).
+        live = mask & (small != 0)
+        ratio = (unit[live] / small[live]).median() if bool(live.any()) else torch.tensor(1.0)
+        ratio_sq = float(ratio) ** 2
+        a_sq = _SMALL_AMPLITUDE**2
+        eps = max(0.0, a_sq * (ratio_sq - 1.0) / (1.0 - ratio_sq * a_sq))
+        gain = torch.zeros(d_model, dtype=torch.float32)
+        gain[mask] = unit[mask] / alternating[mask] * (1.0 + eps) ** 0.5
+        if not bool(mask.all()):  # the one zero entry of an odd-width probe: read it with a second, shifted probe
+            shifted = torch.roll(alternating, 1)
+            out_shifted = norm(shifted.to(device=device, dtype=dtype)[None]).float().cpu()[0] - bias
+            gain[~mask] = out_shifted[~mask] / shifted[~mask] * (1.0 + eps) ** 0.5
+    return NormProbe(bias=bias.to(device), gain=gain.to(device), centers=centers, eps=eps)
+
+
+def _width(module) -> int:
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None:
+        return int(shape[-1]) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[-1])
+    for name in ("hidden_size", "dim", "d_model"):
+        if isinstance(getattr(module, name, None), int):
+            return getattr(module, name)
+    raise ValueError(f"cannot tell the width of norm {type(module).__name__}: it has no weight or normalized_shape")
+
+
+class FrozenNorm(torch.nn.Module):
+    """A norm frozen at the real stream it read: ``frozen(x) = gain * center(x) * scale``, linear in ``x``.
+
+    Args:
+        norm: the norm module, or its nnsight envoy (inside a trace).
+        stream: ``[..., d_model]``, the real input of the norm (e.g. ``model.ln_final.input[rows, positions]``).
+        output: ``[..., d_model]``, the norm's real output at the same places; computed by calling ``norm`` if omitted.
+        probe: a ``NormProbe`` already taken of this norm (skips the probes).
+
+    Attributes:
+        scale: ``[...]`` float32, the frozen per-position scale (leading axes of ``stream``).
+        bias, gain: ``[d_model]`` float32.  centers: bool.
+        fit_error: max |frozen(stream) + bias - output|, relative to max |output|: near float rounding for any
+            LayerNorm / RMSNorm; a large value says the module is not a norm of this form.
+
+    ``frozen(stream) + frozen.bias == norm(stream)``; for any ``x`` and direction ``v``,
+    ``(frozen(x) * v).sum(-1) == (x * frozen.transpose(v)).sum(-1)``.
+    """
+
+    def __init__(self, norm, stream: torch.Tensor, output: torch.Tensor | None = None, probe: NormProbe | None = None):
+        super().__init__()
+        probe = probe if probe is not None else probe_norm(norm)
+        with torch.no_grad():
+            if output is None:
+                output = norm(stream)
+            x = stream.float()
+            y = output.float() - probe.bias
+            direction = probe.gain * probe.center(x)
+            scale = (y * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+            fitted = direction * scale.unsqueeze(-1)
+            reference = float(output.float().abs().max()) if output.numel() else 1.0
+            self.fit_error = float((fitted - y).abs().max()) / max(reference, 1e-30) if output.numel() else 0.0
+        self.probe = probe
+        self.bias, self.gain, self.centers, self.scale = probe.bias, probe.gain, probe.centers, scale
+
+    def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
+        extra = x.dim() - 1 - self.scale.dim()
+        if extra < 0:
+            raise ValueError(f"input of shape {tuple(x.shape)} has fewer leading axes than the frozen scale {tuple(self.scale.shape)}")
+        return self.scale.reshape(*self.scale.shape, *([1] * (extra + 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[*scale.shape, *extra, d_model] -> same``: ``gain * center(x) * scale`` (no bias: add ``.bias`` once)."""
+        return self.gain * self.probe.center(x.float()) * self._scale_for(x)
+
+    def transpose(self, v: torch.Tensor) -> torch.Tensor:
+        """The adjoint map on directions ``[*scale.shape, *extra, d_model]``: ``scale * center(gain * v)``."""
+        return self.probe.center(self.gain * v.float()) * self._scale_for(v)
+
+    def extra_repr(self) -> str:
+        kind = "centering (LayerNorm-like)" if self.centers else "non-centering (RMSNorm-like)"
+        return f"{kind}, d_model={self.gain.shape[-1]}, scale shape={tuple(self.scale.shape)}"

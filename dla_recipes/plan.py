@@ -1,0 +1,161 @@
+"""The family table resolved against one concrete model: per block, the terms it writes and their shapes.
+
+A ``Plan`` is built client side from the model's config and module tree (a remote model built without weights has
+both), travels into the trace as a small frozen dataclass, and tells the in-trace recipe what to read, in forward
+order, and how to label it. Building it checks the table against the model: a path that does not resolve, a
+projection that is not a linear map, a width that does not split into heads, each raise a clear error before any
+forward pass runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import FamilyTableError
+from .families import Family, Term, family_of
+
+Granularity = str  # "block" | "head" | "neuron"
+GRANULARITIES = ("block", "head", "neuron")
+
+
+@dataclass(frozen=True)
+class PlannedTerm:
+    """A ``Term`` with its constants resolved for one block.
+
+    Attributes:
+        term: the table's ``Term``.
+        multiplier: ``config[term.multiplier]`` as a float (1.0 when none).
+        parts: how many pieces ``projection.input`` splits into (heads or neurons; 0 when the term does not split).
+        part_width: the width of one piece (``head_dim`` for heads, 1 for neurons).
+        transposed: the projection stores its weight ``[in, out]`` (GPT-2's ``Conv1D``) rather than ``[out, in]``.
+    """
+
+    term: Term
+    multiplier: float = 1.0
+    parts: int = 0
+    part_width: int = 0
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the in-trace recipe reads for one model. ``layers[i]`` lists block ``i``'s terms in forward order."""
+
+    family: Family
+    layers: tuple[tuple[PlannedTerm, ...], ...]
+    logit_scale: float
+    softcap: float | None
+    num_heads: int
+
+    def labels(self, by: Granularity = "block") -> list[str]:
+        """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127``)."""
+        check_granularity(by)
+        labels = ["embed"]
+        for i, terms in enumerate(self.layers):
+            for planned in terms:
+                if splits(planned, by):
+                    prefix = "H" if planned.term.split == "heads" else "N"
+                    labels.extend(f"L{i}.{prefix}{p}" for p in range(planned.parts))
+                labels.append(f"L{i}.{planned.term.name}")
+        return labels
+
+
+def check_granularity(by: str) -> None:
+    if by not in GRANULARITIES:
+        raise ValueError(f"by={by!r} is not a granularity: use one of {', '.join(map(repr, GRANULARITIES))}")
+
+
+def splits(planned: PlannedTerm, by: Granularity) -> bool:
+    """Whether this term is split into parts at granularity ``by``."""
+    wanted = {"head": "heads", "neuron": "neurons"}.get(by)
+    return wanted is not None and planned.term.split == wanted and planned.parts > 0
+
+
+def module_at(root, path: str):
+    """The submodule (or envoy) at a dotted ``path`` below ``root``."""
+    obj = root
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def _has_path(layer, path: str) -> bool:
+    """Whether ``path`` resolves below a block envoy (aliases included) to something that is not None."""
+    obj = layer
+    for name in path.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return obj is not None
+
+
+def layer_terms(family: Family, layer) -> tuple[Term, ...]:
+    """The terms of the first layer kind of ``family`` whose ``when`` path exists on this block (an envoy)."""
+    for kind in family.kinds:
+        if kind.when is None or _has_path(layer, kind.when):
+            return kind.terms
+    raise FamilyTableError(
+        f"family {family.name!r}: block {type(layer._module).__name__} matches none of its layer kinds "
+        f"({', '.join(repr(k.when) for k in family.kinds)})"
+    )
+
+
+def _config(model):
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
+    """``(in_features, out_features, transposed)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D``."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and weight is not None:
+        return int(weight.shape[0]), int(weight.shape[1]), True
+    raise FamilyTableError(f"{type(module).__name__} is not a linear projection (nn.Linear or Conv1D)")
+
+
+def build_plan(model, family: Family | None = None) -> Plan:
+    """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights)."""
+    family = family or family_of(model)
+    config = _config(model)
+    num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads"))
+    layers = []
+    for i, layer in enumerate(model.layers):
+        layer_module = layer._module
+        planned = []
+        for term in layer_terms(family, layer):
+            for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.scale, term.bias,
+                         term.stream_scale, term.stream_bias):
+                if path and path not in ("output", "input") and not _has_path(layer, path):
+                    raise FamilyTableError(
+                        f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
+                        f"(term {term.name!r}); the family table entry does not describe this model"
+                    )
+            multiplier = 1.0
+            if term.multiplier is not None:
+                multiplier = float(getattr(config, term.multiplier))
+            parts = width = 0
+            transposed = False
+            if term.split is not None and term.projection is not None:
+                in_features, _, transposed = _linear_shape(module_at(layer, term.projection)._module)
+                if term.split == "heads":
+                    if in_features % num_heads:
+                        raise FamilyTableError(
+                            f"family {family.name!r}: block {i}: {term.projection} reads {in_features} features, "
+                            f"not a multiple of {num_heads} heads"
+                        )
+                    parts, width = num_heads, in_features // num_heads
+                else:
+                    parts, width = in_features, 1
+            planned.append(PlannedTerm(term, multiplier, parts, width, transposed))
+        layers.append(tuple(planned))
+    logit_scale = 1.0
+    if family.logits_times is not None:
+        logit_scale *= float(getattr(config, family.logits_times))
+    if family.logits_over is not None:
+        logit_scale /= float(getattr(config, family.logits_over))
+    softcap = float(getattr(config, family.softcap)) if family.softcap and getattr(config, family.softcap, None) else None
+    return Plan(family, tuple(layers), logit_scale, softcap, num_heads)

@@ -1,0 +1,94 @@
+"""In-trace readers: the values a DLA recipe speaks of, the same on every family.
+
+Call these inside ``with model.trace(...)`` on a ``StandardizedTransformer``, in forward order (a block's input,
+its attention, its MLP, its output). Each returns a live value of the running forward pass:
+
+- ``layer_input(model, i)``             ``[batch, pos, d_model]`` the residual stream entering block ``i``
+- ``attention_output(model, i)``        ``[batch, pos, d_model]`` what block ``i``'s attention adds to the stream
+- ``attention_head_outputs(model, i)``  ``[batch, pos, heads, head_dim]`` the heads, as the output projection reads them
+- ``mlp_output(model, i)``              ``[batch, pos, d_model]`` what block ``i``'s MLP adds to the stream
+- ``neuron_activations(model, i)``      ``[batch, pos, d_mlp]`` the MLP's neurons, as its down projection reads them
+- ``layer_output(model, i)``            ``[batch, pos, d_model]`` the residual stream leaving block ``i``
+
+"What a sublayer adds" is read where the family table (``families.py``) says: a post-norm's output on Gemma 2/3,
+the output times ``residual_multiplier`` on Granite, the dense projection on BLOOM (whose modules add the residual
+inside themselves), a copy on Falcon (which later adds the attention into the MLP's output in place), and so on.
+The names follow nnterp's next vocabulary, so a recipe written with them reads like one written for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .families import Term, family_of
+from .plan import _config, layer_terms, module_at
+
+
+def read_site(layer, site: str):
+    """The value at ``site`` (``"<path>.output"`` / ``"<path>.input"``) below a block envoy; a tuple's first element."""
+    path, io = site.rsplit(".", 1) if "." in site else ("", site)
+    envoy = module_at(layer, path) if path else layer
+    value = getattr(envoy, io)
+    return value[0] if isinstance(value, tuple) else value
+
+
+def find_term(model, i: int, name: str) -> Term:
+    """The term named ``name`` that block ``i`` writes (raises a clear error if the block writes none)."""
+    family = family_of(model)
+    terms = layer_terms(family, model.layers[i])
+    for term in terms:
+        if term.name == name:
+            return term
+    raise ValueError(
+        f"block {i} of this {family.name} model writes no {name!r} term (it writes {', '.join(t.name for t in terms)})"
+    )
+
+
+def term_output(model, i: int, name: str) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what the term ``name`` of block ``i`` adds to the residual stream."""
+    term = find_term(model, i, name)
+    layer = model.layers[i]
+    value = read_site(layer, term.output)
+    if term.clone:
+        value = value.clone()
+    if term.bias is not None:
+        value = value + module_at(layer, term.bias)
+    if term.scale is not None:
+        value = value * module_at(layer, term.scale)
+    if term.multiplier is not None:
+        value = value * float(getattr(_config(model), term.multiplier))
+    return value
+
+
+def layer_input(model, i: int) -> torch.Tensor:
+    """``[batch, pos, d_model]``: the residual stream entering block ``i`` (block 0: the embedding term)."""
+    return model.layers[i].input
+
+
+def layer_output(model, i: int) -> torch.Tensor:
+    """``[batch, pos, d_model]``: the residual stream leaving block ``i``."""
+    value = model.layers[i].output
+    return value[0] if isinstance(value, tuple) else value
+
+
+def attention_output(model, i: int) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what block ``i``'s attention adds to the residual stream."""
+    return term_output(model, i, "attn")
+
+
+def mlp_output(model, i: int) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what block ``i``'s MLP adds to the residual stream."""
+    return term_output(model, i, "mlp")
+
+
+def attention_head_outputs(model, i: int) -> torch.Tensor:
+    """``[batch, pos, heads, head_dim]``: block ``i``'s heads, the input of its attention output projection."""
+    term = find_term(model, i, "attn")
+    heads = int(getattr(model, "num_heads", None) or _config(model).num_attention_heads)
+    return read_site(model.layers[i], f"{term.projection}.input").unflatten(-1, (heads, -1))
+
+
+def neuron_activations(model, i: int) -> torch.Tensor:
+    """``[batch, pos, d_mlp]``: block ``i``'s MLP neurons, the input of its down projection."""
+    term = find_term(model, i, "mlp")
+    return read_site(model.layers[i], f"{term.projection}.input")

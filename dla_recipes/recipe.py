@@ -1,0 +1,217 @@
+"""The in-trace DLA recipe: per-component logit contributions computed inside the trace, on any family.
+
+``direct_logit_attribution(model, plan, positions, targets, contrasts, by)`` runs inside ``with model.trace(...)``
+(locally, or server side on NDIF) and returns a ``Readout`` of a few small tensors. The math, for every family:
+
+1. The logit is ``logit_scale * (lm_head.weight[t] @ norm(x) + lm_head.bias[t])`` at the attributed position, where
+   ``x`` is the final norm's input. Freezing the norm (``FrozenNorm``) makes it ``gain * center(x) * s + bias``, so
+   ``logit = s * (x @ d) + constant`` with the direction ``d = logit_scale * center(gain * W[t])`` (minus the same
+   for a contrast token). ``d`` is known before the forward pass; the scale ``s`` only at its end.
+2. ``x`` is the sum of the terms the blocks wrote (the embedding, then each block's terms, ``families.py``), each
+   carried by what later acts on the stream (gates, ``layer_scalar``). Pulling ``d`` back through those static
+   maps gives each term its own direction before the forward pass reads it.
+3. Each term is reduced to a few numbers as soon as the forward pass produces it: a block term to one number
+   (its value at the position, dotted with its direction); a split term to one number per head or neuron: the
+   direction is pulled back through the term's multiplier, post-norm (frozen at its real input) and output
+   projection onto the projection's input, then multiplied by the heads' outputs or the neurons' activations.
+   No ``[batch, pos, d_model]`` activation is kept, and no ``[batch, d_mlp, d_model]`` tensor is ever built.
+4. At the end the final norm's scale ``s`` is fitted at the real stream, every number is multiplied by it, and the
+   model's own logit is read from ``lm_head``'s output (times ``logit_scale``), so the caller can check
+   ``values.sum(-1) + constant == logit``.
+
+Everything runs under ``torch.no_grad()`` in float32, whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .frozen_norm import FrozenNorm, NormProbe, probe_norm
+from .plan import Granularity, Plan, PlannedTerm, check_granularity, module_at, splits
+from .readers import layer_input, read_site
+
+
+@dataclass
+class Readout:
+    """What a DLA trace returns: a few tensors, whatever the model's width or the prompt's length.
+
+    Attributes:
+        values: ``[batch, n_components]`` float32, the components' contributions, in ``plan.labels(by)`` order.
+        constant: ``[batch]`` the final norm's bias and ``lm_head``'s bias through the head (no component's).
+        logit: ``[batch]`` the model's own logit (difference) before any soft-cap: ``lm_head``'s output times the
+            family's logit scale, read in the same trace.
+        output_logit: ``[batch]`` the model's output logit (difference), after any soft-cap.
+        head_error: ``[]`` max |head(lm_head output) - output logits| at the attributed tokens: checks the family
+            table's final head (logit scale, soft-cap).
+        norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms).
+    """
+
+    values: torch.Tensor
+    constant: torch.Tensor
+    logit: torch.Tensor
+    output_logit: torch.Tensor
+    head_error: torch.Tensor
+    norm_fit_error: torch.Tensor
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b.to(a.device)).sum(-1)
+
+
+def _param(layer, path: str) -> torch.Tensor:
+    return module_at(layer, path).float()
+
+
+def term_directions(model, plan: Plan, direction: torch.Tensor):
+    """Pull the final-stream ``direction`` ``[batch, d_model]`` back to every term's write.
+
+    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant)`` for term ``k``
+    of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, and ``constant``
+    ``[batch]`` is what a stream bias added with it (ZAYA's residual bias) contributes.
+    """
+    v = direction
+    per_layer: list[list[tuple[torch.Tensor, torch.Tensor | float]]] = [[] for _ in plan.layers]
+    for i in reversed(range(len(plan.layers))):
+        layer = model.layers[i]
+        if plan.family.layer_scale is not None:
+            v = v * _param(layer, plan.family.layer_scale).to(v.device)
+        entries = []
+        for planned in reversed(plan.layers[i]):
+            term = planned.term
+            constant: torch.Tensor | float = 0.0
+            if term.stream_scale is not None:
+                v_before = v * _param(layer, term.stream_scale).to(v.device)
+            else:
+                v_before = v
+            if term.stream_bias is not None:
+                constant = _dot(v_before, _param(layer, term.stream_bias))
+            entries.append((v, constant))
+            v = v_before
+        per_layer[i] = entries[::-1]
+    return v, per_layer
+
+
+def _write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
+    """Pull ``v`` back through the term's multiplier and affine merge: ``(direction on read(output), constant)``."""
+    term = planned.term
+    u = v * planned.multiplier
+    if term.scale is not None:
+        u = u * _param(layer, term.scale).to(u.device)
+    constant = _dot(u, _param(layer, term.bias)) if term.bias is not None else 0.0
+    return u, constant
+
+
+def _block_score(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions) -> torch.Tensor:
+    """``[batch, 1]``: the term's write at the attributed position, dotted with its direction."""
+    value = read_site(layer, planned.term.output)[rows, positions].float()  # advanced indexing copies
+    u, constant = _write_direction(layer, planned, v)
+    return (_dot(value, u) + constant).unsqueeze(-1)
+
+
+def _split_scores(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions, fit_errors: list) -> torch.Tensor:
+    """``[batch, parts + 1]``: one number per head / neuron, then the rest of the term (biases) under its own label."""
+    term = planned.term
+    projection = module_at(layer, term.projection)
+    inputs = projection.input[rows, positions].float()  # [batch, in_features]
+    u, rest = _write_direction(layer, planned, v)
+    if term.post_norm is not None:
+        norm = module_at(layer, term.post_norm)
+        probe = probe_norm(norm)
+        frozen = probe.freeze(norm.input[rows, positions], norm.output[rows, positions])
+        fit_errors.append(frozen.fit_error)
+        rest = rest + _dot(u, probe.bias)
+        u = frozen.transpose(u)
+    weight = projection.weight.float()
+    u = u.to(weight.device)
+    pulled = u @ weight.T if planned.transposed else u @ weight  # [batch, in_features]
+    if getattr(projection, "bias", None) is not None:
+        rest = rest + _dot(u, projection.bias.float())
+    parts = (inputs * pulled.to(inputs.device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
+    return torch.cat([parts, rest.unsqueeze(-1)], -1)
+
+
+def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
+    """``(probe, direction [batch, d_model], constant [batch])`` of the final head for these target tokens."""
+    probe: NormProbe = probe_norm(model.ln_final)
+    weight = model.lm_head.weight
+    rows = weight[targets.to(weight.device)].float()
+    bias = getattr(model.lm_head, "bias", None)
+    head_bias = bias[targets.to(bias.device)].float() if bias is not None else 0.0
+    if contrasts is not None:
+        rows = rows - weight[contrasts.to(weight.device)].float()
+        if bias is not None:
+            head_bias = head_bias - bias[contrasts.to(bias.device)].float()
+    rows = rows.to(probe.gain.device)
+    direction = plan.logit_scale * probe.center(probe.gain * rows)
+    constant = plan.logit_scale * (_dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
+    return probe, direction, constant
+
+
+def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return z if cap is None else cap * torch.tanh(z / cap)
+
+
+def direct_logit_attribution(
+    model,
+    plan: Plan,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    contrasts: torch.Tensor | None = None,
+    by: Granularity = "block",
+) -> Readout:
+    """Run the recipe inside a trace; see the module docstring.
+
+    Args:
+        model: the ``StandardizedTransformer`` being traced.
+        plan: ``build_plan(model)``.
+        positions: ``[batch]`` long, the attributed position of each prompt, an index into the padded sequence.
+        targets, contrasts: ``[batch]`` long token ids (``contrasts`` optional: attribute the logit difference).
+        by: ``"block"``, ``"head"`` or ``"neuron"``.
+    """
+    check_granularity(by)
+    with torch.no_grad():
+        rows = torch.arange(positions.shape[0])
+        probe, direction, constant = final_direction(model, plan, targets, contrasts)
+        embed_direction, per_layer = term_directions(model, plan, direction)
+        fit_errors: list[float] = []
+        scores = [_dot(layer_input(model, 0)[rows, positions].float(), embed_direction).unsqueeze(-1)]
+        for i, terms in enumerate(plan.layers):
+            layer = model.layers[i]
+            for planned, (v, stream_constant) in zip(terms, per_layer[i]):
+                if splits(planned, by):
+                    score = _split_scores(layer, planned, v, rows, positions, fit_errors)
+                    score[:, -1] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
+                else:
+                    score = _block_score(layer, planned, v, rows, positions)
+                    score[:, 0] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
+                scores.append(score.to(scores[0].device))
+        final: FrozenNorm = probe.freeze(model.ln_final.input[rows, positions], model.ln_final.output[rows, positions])
+        fit_errors.append(final.fit_error)
+        values = torch.cat(scores, -1) * final.scale.to(scores[0].device).unsqueeze(-1)
+        head_out = model.lm_head.output[rows, positions].float()  # [batch, vocab]
+        picked = head_out.gather(-1, targets.to(head_out.device)[:, None])[:, 0]
+        if contrasts is not None:
+            picked_contrast = head_out.gather(-1, contrasts.to(head_out.device)[:, None])[:, 0]
+        logits = model.output.logits[rows, positions].float()
+        out = logits.gather(-1, targets.to(logits.device)[:, None])[:, 0]
+        head_error = (_softcap(picked * plan.logit_scale, plan.softcap) - out.to(picked.device)).abs().max()
+        logit = picked * plan.logit_scale
+        if contrasts is not None:
+            out_contrast = logits.gather(-1, contrasts.to(logits.device)[:, None])[:, 0]
+            head_error = torch.maximum(
+                head_error,
+                (_softcap(picked_contrast * plan.logit_scale, plan.softcap) - out_contrast.to(picked.device)).abs().max(),
+            )
+            logit = logit - picked_contrast * plan.logit_scale
+            out = out - out_contrast
+        return Readout(
+            values=values.cpu(),
+            constant=constant.cpu(),
+            logit=logit.cpu(),
+            output_logit=out.cpu(),
+            head_error=head_error.cpu(),
+            norm_fit_error=torch.tensor(max(fit_errors)),
+        )

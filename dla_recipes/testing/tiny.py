@@ -1,0 +1,665 @@
+"""Tiny random decoder models, one per supported family, for tests, notebooks and benchmarks.
+
+Every model here is built from a ``transformers`` Config class in milliseconds (no hub, no download): 2-3 layers,
+hidden size 64, 4 attention heads (2 key/value heads where the family has GQA), intermediate size 128, vocabulary
+128, float32, eval mode. Random initialisation hides bugs: norm gains start at exactly 1 (or 0 for ``1 + w``
+norms), biases at 0, residual gates at 1, so a formula that forgets a gain or a bias still matches. ``perturb``
+therefore moves every parameter or floating buffer whose values are all equal to random values away from its
+init, and the config builders set every multiplier / soft-cap the family has to a non-trivial value.
+
+Public API::
+
+    FAMILIES                  # the family keys, in a fixed order
+    tokenizer(vocab_size)     # offline WordLevel tokenizer "w0".."wN" + [UNK] + [PAD], left padding
+    config(family)            # the tiny transformers Config
+    build(family, seed=0)     # tiny perturbed transformers model (eval, float32)
+    perturb(model, seed)      # the perturbation, in place
+    load_kwargs(family)       # extra kwargs nnterp.StandardizedTransformer needs for the family
+    standardized(family, seed=0)  # a loaded nnterp StandardizedTransformer with the tokenizer
+
+``import dla_recipes`` (done here) must precede ``import nnterp``: it installs the nnsight-0.8 shim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import dla_recipes  # noqa: F401  (applies the nnterp-on-nnsight-0.8 shim before nnterp is imported)
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+INTER = 128
+LAYERS = 3
+MAX_POS = 256
+SOFTCAP = 0.5  # tiny logits have std ~0.2: a cap of 0.5 bends them measurably (real models: 30)
+
+FAMILIES: tuple[str, ...] = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "olmo",
+    "phi3",
+    "smollm3",
+    "apertus",
+    "gptj",
+    "gpt_neox",
+    "gpt_neox_sequential",
+    "mixtral",
+    "qwen2_moe",
+    "olmoe",
+    "deepseek_v3",
+    "gemma2",
+    "gemma3",
+    "glm4",
+    "olmo2",
+    "olmo3",
+    "exaone4",
+    "granite",
+    "cohere",
+    "recurrent_gemma",
+    "falcon",
+    "falcon_new_arch",
+    "bloom",
+    "opt",
+    "phi",
+    "gemma4",
+    "gemma4_moe",
+    "doge",
+    "zaya",
+    "deepseek_v4",
+    "zamba2",
+    "jetmoe",
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------------------------
+
+
+def tokenizer(vocab_size: int = VOCAB):
+    """An offline word-level tokenizer with exactly ``vocab_size`` ids.
+
+    Tokens ``"w0" .. "w{vocab_size-3}"`` are ids ``0 .. vocab_size-3``; ``"[UNK]"`` is ``vocab_size-2`` and
+    ``"[PAD]"`` is ``vocab_size-1`` (both inside the model vocabulary). Words are split on whitespace; padding is on
+    the left, as nnterp expects.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 3:
+        raise ValueError("vocab_size must be at least 3")
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab["[UNK]"] = vocab_size - 2
+    vocab["[PAD]"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.padding_side = "left"
+    return fast
+
+
+PAD_ID = VOCAB - 1
+
+# --------------------------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------------------------
+
+_COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD_ID, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+
+
+def _llama_like(**over) -> dict:
+    kw = dict(
+        _COMMON,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POS,
+    )
+    kw.update(over)
+    return kw
+
+
+def _cfg_gpt2():
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=INTER,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD_ID, bos_token_id=0, eos_token_id=1,
+    )
+
+
+def _cfg_llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_llama_like())
+
+
+def _cfg_mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_llama_like(sliding_window=None))
+
+
+def _cfg_qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_llama_like())
+
+
+def _cfg_qwen3():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_llama_like(head_dim=16))
+
+
+def _cfg_gemma():
+    from transformers import GemmaConfig
+
+    return GemmaConfig(**_llama_like(head_dim=16, tie_word_embeddings=True))
+
+
+def _cfg_olmo():
+    from transformers import OlmoConfig
+
+    return OlmoConfig(**_llama_like(clip_qkv=8.0))
+
+
+def _cfg_phi3():
+    from transformers import Phi3Config
+
+    return Phi3Config(**_llama_like())
+
+
+def _cfg_smollm3():
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**_llama_like(no_rope_layer_interval=2, tie_word_embeddings=True))
+
+
+def _cfg_apertus():
+    from transformers import ApertusConfig
+
+    return ApertusConfig(**_llama_like(max_position_embeddings=16384))
+
+
+def _cfg_gptj():
+    from transformers import GPTJConfig
+
+    return GPTJConfig(
+        vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=8,
+        n_inner=INTER, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD_ID, bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _cfg_gpt_neox(parallel: bool = True):
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        **dict(
+            _COMMON, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, max_position_embeddings=MAX_POS, use_parallel_residual=parallel,
+        )
+    )
+
+
+def _cfg_mixtral():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_llama_like(num_local_experts=4, num_experts_per_tok=2))
+
+
+def _cfg_qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        **_llama_like(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+        )
+    )
+
+
+def _cfg_olmoe():
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(**_llama_like(intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+
+
+def _cfg_deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5,
+        )
+    )
+
+
+def _cfg_gemma2():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **_llama_like(
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=SOFTCAP,
+            attn_logit_softcapping=3.0, tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **_llama_like(
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=4, final_logit_softcapping=SOFTCAP,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_glm4():
+    from transformers import Glm4Config
+
+    return Glm4Config(**_llama_like(head_dim=16))
+
+
+def _cfg_olmo2():
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**_llama_like())
+
+
+def _cfg_olmo3():
+    from transformers import Olmo3Config
+
+    return Olmo3Config(
+        **_llama_like(
+            sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+    )
+
+
+def _cfg_exaone4():
+    from transformers import Exaone4Config
+
+    return Exaone4Config(
+        **_llama_like(
+            sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        )
+    )
+
+
+def _cfg_granite():
+    from transformers import GraniteConfig
+
+    return GraniteConfig(
+        **_llama_like(
+            embedding_multiplier=2.5, residual_multiplier=0.6, logits_scaling=1.7, attention_multiplier=0.2,
+        )
+    )
+
+
+def _cfg_cohere():
+    from transformers import CohereConfig
+
+    return CohereConfig(**_llama_like(logit_scale=0.3, use_qk_norm=True, tie_word_embeddings=True))
+
+
+def _cfg_recurrent_gemma():
+    from transformers import RecurrentGemmaConfig
+
+    return RecurrentGemmaConfig(
+        **_llama_like(
+            num_key_value_heads=1, lru_width=HIDDEN, attention_window_size=4, conv1d_width=4, logits_soft_cap=SOFTCAP,
+            block_types=["recurrent", "attention", "recurrent"], tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_falcon(new_arch: bool = False):
+    from transformers import FalconConfig
+
+    kw = dict(
+        _COMMON, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, ffn_hidden_size=INTER,
+        max_position_embeddings=MAX_POS, tie_word_embeddings=True,
+    )
+    if new_arch:
+        kw.update(new_decoder_architecture=True, num_kv_heads=KV_HEADS, num_ln_in_parallel_attn=2, parallel_attn=True)
+    else:
+        kw.update(new_decoder_architecture=False, multi_query=True, parallel_attn=True)
+    return FalconConfig(**kw)
+
+
+def _cfg_bloom():
+    from transformers import BloomConfig
+
+    return BloomConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, pad_token_id=PAD_ID, bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def _cfg_opt():
+    from transformers import OPTConfig
+
+    return OPTConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, ffn_dim=INTER, num_attention_heads=HEADS,
+        max_position_embeddings=MAX_POS, word_embed_proj_dim=HIDDEN, dropout=0.0, pad_token_id=PAD_ID,
+        bos_token_id=0, eos_token_id=1,
+    )
+
+
+def _cfg_phi():
+    from transformers import PhiConfig
+
+    return PhiConfig(**_llama_like(num_key_value_heads=HEADS, partial_rotary_factor=0.5))
+
+
+def _cfg_gemma4(moe: bool = False):
+    from transformers import Gemma4TextConfig
+
+    if moe:
+        # like google/gemma-4-26B-A4B: MoE block next to the dense MLP, k == v on full-attention layers, no PLE
+        return Gemma4TextConfig(
+            **_llama_like(
+                head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=4,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                final_logit_softcapping=SOFTCAP, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                tie_word_embeddings=True,
+            )
+        )
+    # like google/gemma-4-E2B: per-layer inputs (PLE), KV sharing on the last layer, double-wide MLP there
+    return Gemma4TextConfig(
+        **_llama_like(
+            head_dim=16, global_head_dim=32, sliding_window=4,
+            layer_types=["full_attention", "sliding_attention", "full_attention"], final_logit_softcapping=SOFTCAP,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=1,
+            use_double_wide_mlp=True, tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_doge():
+    from transformers import DogeConfig
+
+    return DogeConfig(**_llama_like(keep_window_size=4))
+
+
+def _cfg_zaya():
+    from transformers import ZayaConfig
+
+    return ZayaConfig(
+        **_llama_like(
+            head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1, router_hidden_size=16,
+            sliding_window=4, layer_types=["hybrid", "hybrid_sliding", "hybrid"], tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_deepseek_v4():
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(
+        **_llama_like(
+            num_key_value_heads=1, head_dim=16, q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, partial_rotary_factor=0.5, hc_mult=3, hc_sinkhorn_iters=5,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=4, o_groups=2, o_lora_rank=16,
+            index_n_heads=2, index_head_dim=8, index_topk=2,
+        )
+    )
+
+
+def _cfg_zamba2():
+    from transformers import Zamba2Config
+
+    return Zamba2Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
+            mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4, chunk_size=4, num_mem_blocks=1,
+            use_mem_rope=True, tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_jetmoe():
+    from transformers import JetMoeConfig
+
+    return JetMoeConfig(
+        **_llama_like(
+            num_attention_heads=None, num_key_value_heads=KV_HEADS, kv_channels=16, intermediate_size=64,
+            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=True,
+        )
+    )
+
+
+_CONFIGS: dict[str, Callable[[], Any]] = {
+    "gpt2": _cfg_gpt2,
+    "llama": _cfg_llama,
+    "mistral": _cfg_mistral,
+    "qwen2": _cfg_qwen2,
+    "qwen3": _cfg_qwen3,
+    "gemma": _cfg_gemma,
+    "olmo": _cfg_olmo,
+    "phi3": _cfg_phi3,
+    "smollm3": _cfg_smollm3,
+    "apertus": _cfg_apertus,
+    "gptj": _cfg_gptj,
+    "gpt_neox": lambda: _cfg_gpt_neox(True),
+    "gpt_neox_sequential": lambda: _cfg_gpt_neox(False),
+    "mixtral": _cfg_mixtral,
+    "qwen2_moe": _cfg_qwen2_moe,
+    "olmoe": _cfg_olmoe,
+    "deepseek_v3": _cfg_deepseek_v3,
+    "gemma2": _cfg_gemma2,
+    "gemma3": _cfg_gemma3,
+    "glm4": _cfg_glm4,
+    "olmo2": _cfg_olmo2,
+    "olmo3": _cfg_olmo3,
+    "exaone4": _cfg_exaone4,
+    "granite": _cfg_granite,
+    "cohere": _cfg_cohere,
+    "recurrent_gemma": _cfg_recurrent_gemma,
+    "falcon": lambda: _cfg_falcon(False),
+    "falcon_new_arch": lambda: _cfg_falcon(True),
+    "bloom": _cfg_bloom,
+    "opt": _cfg_opt,
+    "phi": _cfg_phi,
+    "gemma4": lambda: _cfg_gemma4(False),
+    "gemma4_moe": lambda: _cfg_gemma4(True),
+    "doge": _cfg_doge,
+    "zaya": _cfg_zaya,
+    "deepseek_v4": _cfg_deepseek_v4,
+    "zamba2": _cfg_zamba2,
+    "jetmoe": _cfg_jetmoe,
+}
+
+_MODEL_CLASSES: dict[str, str] = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "apertus": "ApertusForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "gpt_neox_sequential": "GPTNeoXForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "recurrent_gemma": "RecurrentGemmaForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "falcon_new_arch": "FalconForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "opt": "OPTForCausalLM",
+    "phi": "PhiForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "gemma4_moe": "Gemma4ForCausalLM",
+    "doge": "DogeForCausalLM",
+    "zaya": "ZayaForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
+    "jetmoe": "JetMoeForCausalLM",
+}
+
+
+def _check(family: str) -> None:
+    if family not in _CONFIGS:
+        raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def config(family: str):
+    """The tiny ``transformers`` config of ``family`` (a fresh object each call)."""
+    _check(family)
+    return _CONFIGS[family]()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# build + perturb
+# --------------------------------------------------------------------------------------------------------------
+
+
+def build(family: str, seed: int = 0) -> "transformers.PreTrainedModel":  # noqa: F821
+    """A tiny random ``family`` model, float32, eval mode, with ``perturb(model, seed)`` applied."""
+    import transformers
+
+    _check(family)
+    cfg = config(family)
+    cls = getattr(transformers, _MODEL_CLASSES[family])
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    model = model.to(torch.float32).eval()
+    perturb(model, seed)
+    return model
+
+
+@torch.no_grad()
+def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Move every constant parameter / floating buffer of ``model`` to random values, in place; return ``model``.
+
+    Generic rule, applied to every floating tensor whose elements are all equal (and to every scalar):
+
+    * all zeros  -> ``0.1 * randn`` (biases, zero-init gates, ``1 + w`` norm weights get ``0.3 * randn``);
+    * all ones   -> ``1 + 0.3 * randn`` (norm gains, residual scales, router scales);
+    * constant c -> ``c * (1 + 0.3 * randn)`` (e.g. embedding normalizers, scalar buffers).
+
+    Family specifics: decoder-layer ``layer_scalar`` buffers (Gemma 4) go to ``U[0.5, 1.5]``; DeepSeek-V4 hash
+    routing tables ``tid2eid`` get random expert ids (distinct per row); ZAYA ``qk_norm.temp`` (0 makes every key
+    zero) goes to ``1 + 0.3 * randn``.
+    """
+    gen = torch.Generator().manual_seed(10_000 + seed)
+
+    def randn(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+
+    modules = dict(model.named_modules())
+    seen: set[int] = set()
+    tensors = [(n, p, True) for n, p in model.named_parameters(remove_duplicate=True)]
+    tensors += [(n, b, False) for n, b in model.named_buffers(remove_duplicate=True)]
+    for name, t, _is_param in tensors:
+        if id(t) in seen or t.numel() == 0:
+            continue
+        seen.add(id(t))
+        owner_name, _, leaf = name.rpartition(".")
+        owner = modules.get(owner_name, model)
+        if leaf == "tid2eid":  # DeepSeek-V4 hash routing: random distinct experts per token
+            n_exp = model.config.n_routed_experts
+            rows = torch.stack([torch.randperm(n_exp, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])])
+            t.copy_(rows.to(t.dtype))
+            continue
+        if not t.is_floating_point():
+            continue
+        if leaf == "layer_scalar":  # Gemma 4
+            t.copy_((0.5 + torch.rand(t.shape, generator=gen)).to(t.dtype))
+            continue
+        if leaf == "temp" and type(owner).__name__ == "ZayaQKNorm":
+            t.copy_(1.0 + 0.3 * randn(t))
+            continue
+        if "inv_freq" in leaf:  # rotary tables are not learned constants
+            continue
+        flat = t.detach().reshape(-1).float()
+        if not torch.isfinite(flat).all():
+            continue
+        if t.numel() > 1 and not bool((flat == flat[0]).all()):
+            continue
+        value = float(flat[0])
+        if value == 0.0:
+            gain_like = leaf == "weight" and "norm" in (type(owner).__name__.lower() + owner_name.lower())
+            t.copy_((0.3 if gain_like else 0.1) * randn(t))
+        elif value == 1.0:
+            t.copy_(1.0 + 0.3 * randn(t))
+        else:
+            t.copy_((value * (1.0 + 0.3 * randn(t).float())).to(t.dtype))
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# nnterp loading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_kwargs(family: str) -> dict:
+    """Extra keyword arguments ``nnterp.StandardizedTransformer(model, tokenizer=..., **kwargs)`` needs."""
+    from nnterp.rename_utils import RenameConfig
+
+    _check(family)
+    if family == "phi":
+        return {"rename_config": RenameConfig(ln_final_name="final_layernorm")}
+    if family == "recurrent_gemma":
+        return {
+            "rename_config": RenameConfig(ln_final_name="final_norm", attn_name="temporal_block", mlp_name="mlp_block")
+        }
+    if family == "zamba2":
+        return {
+            "rename_config": RenameConfig(
+                attn_name=["mamba", "mamba_decoder.mamba"], ln_final_name="final_layernorm", ignore_mlp=True
+            ),
+            "allow_multimodal": True,
+        }
+    if family == "deepseek_v4":
+        return {"check_renaming": False}
+    return {}
+
+
+def standardized(family: str, seed: int = 0, **kwargs):
+    """``build(family, seed)`` loaded as an ``nnterp.StandardizedTransformer`` on CPU with ``tokenizer(VOCAB)``."""
+    from nnterp import StandardizedTransformer
+
+    model = build(family, seed)
+    kw = load_kwargs(family)
+    kw.update(kwargs)
+    kw.setdefault("device_map", "cpu")
+    return StandardizedTransformer(model, tokenizer=tokenizer(model.config.vocab_size), **kw)
+
+
+__all__ = ["FAMILIES", "tokenizer", "config", "build", "perturb", "load_kwargs", "standardized", "VOCAB"]
