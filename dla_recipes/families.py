@@ -50,6 +50,7 @@ class Term:
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
         stream_scale, stream_bias: parameter paths acting on the stream as this term is added.
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
+        flat: the module sees batch and position flattened, ``[batch * pos, ...]`` (OPT's ``fc1`` / ``fc2``).
     """
 
     name: str
@@ -63,6 +64,7 @@ class Term:
     stream_scale: str | None = None
     stream_bias: str | None = None
     clone: bool = False
+    flat: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,13 +126,53 @@ LLAMA_LIKE = _sequential()
 # --- the table ---------------------------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
-    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj")),
+    # Pre-norm blocks whose modules' outputs are what the block adds.
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj"), notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
     Family("qwen2", ("qwen2",), LLAMA_LIKE),
     Family("qwen3", ("qwen3",), LLAMA_LIKE),
     Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
-    Family("cohere", ("cohere",), LLAMA_LIKE, logits_times="logit_scale", notes="parallel block; weight-only LayerNorm."),
+    Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
+    Family("phi3", ("phi3",), LLAMA_LIKE, notes="fused qkv_proj and gate_up_proj."),
+    Family("smollm3", ("smollm3",), LLAMA_LIKE),
+    Family("apertus", ("apertus",), LLAMA_LIKE, notes="xIELU MLP without a gate."),
+    # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
+    Family("gptj", ("gptj",), _sequential("out_proj", "fc_out"), notes="parallel block; lm_head has a bias."),
+    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h"), notes="parallel or sequential."),
+    Family("phi", ("phi",), _sequential("dense", "fc2"), rename={"ln_final_name": "final_layernorm"},
+           notes="parallel block; lm_head has a bias; nnterp needs the final norm's name."),
+    Family("cohere", ("cohere",), LLAMA_LIKE, logits_times="logit_scale",
+           notes="parallel block; weight-only LayerNorm; logits times logit_scale."),
+    # Sandwich and post-norm blocks: what is added is a post-norm's output.
+    Family("gemma2", ("gemma2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+           softcap="final_logit_softcapping", notes="sandwich norms; final logits soft-capped."),
+    Family("gemma3", ("gemma3_text", "gemma3"), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+           softcap="final_logit_softcapping", notes="sandwich norms."),
+    Family("olmo2", ("olmo2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+           notes="post-norm only."),
+    Family("olmo3", ("olmo3",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+           notes="post-norm only."),
+    Family("exaone4", ("exaone4",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+           notes="post-norm only."),
+    Family("glm4", ("glm4",), _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm"),
+           notes="sandwich norms."),
+    # Scaled writes.
+    Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
+           notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
+    # Modules that add the residual inside themselves, in-place adds, sublayers outside a module.
+    Family("bloom", ("bloom",), (LayerKind((
+        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense"),
+        Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h"),
+    )),), notes="modules add the residual inside: the terms are the dense projections' outputs."),
+    Family("falcon", ("falcon",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.dense"),
+        Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True),
+    )),), notes="parallel: the block adds the attention output into the MLP output in place."),
+    Family("opt", ("opt",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.out_proj"),
+        Term("mlp", "fc2.output", "neurons", "fc2", flat=True),
+    )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
 )
 
 

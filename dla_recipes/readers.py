@@ -24,12 +24,18 @@ from .families import Term, family_of
 from .plan import _config, layer_terms, module_at
 
 
-def read_site(layer, site: str):
-    """The value at ``site`` (``"<path>.output"`` / ``"<path>.input"``) below a block envoy; a tuple's first element."""
+def read_site(layer, site: str, batch_size: int | None = None):
+    """The value at ``site`` (``"<path>.output"`` / ``"<path>.input"``) below a block envoy; a tuple's first element.
+
+    ``batch_size`` unflattens a module that sees ``[batch * pos, ...]`` (OPT's MLP) back to ``[batch, pos, ...]``.
+    """
     path, io = site.rsplit(".", 1) if "." in site else ("", site)
     envoy = module_at(layer, path) if path else layer
     value = getattr(envoy, io)
-    return value[0] if isinstance(value, tuple) else value
+    value = value[0] if isinstance(value, tuple) else value
+    if batch_size is not None and value.dim() == 2:
+        value = value.unflatten(0, (batch_size, -1))
+    return value
 
 
 def find_term(model, i: int, name: str) -> Term:
@@ -44,11 +50,15 @@ def find_term(model, i: int, name: str) -> Term:
     )
 
 
-def term_output(model, i: int, name: str) -> torch.Tensor:
-    """``[batch, pos, d_model]``: what the term ``name`` of block ``i`` adds to the residual stream."""
+def term_output(model, i: int, name: str, batch_size: int | None = None) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what the term ``name`` of block ``i`` adds to the residual stream.
+
+    On a family whose module flattens batch and position (OPT's MLP) the value is ``[batch * pos, d_model]``
+    unless ``batch_size`` is given.
+    """
     term = find_term(model, i, name)
     layer = model.layers[i]
-    value = read_site(layer, term.output)
+    value = read_site(layer, term.output, batch_size)
     if term.clone:
         value = value.clone()
     if term.bias is not None:
@@ -76,9 +86,9 @@ def attention_output(model, i: int) -> torch.Tensor:
     return term_output(model, i, "attn")
 
 
-def mlp_output(model, i: int) -> torch.Tensor:
-    """``[batch, pos, d_model]``: what block ``i``'s MLP adds to the residual stream."""
-    return term_output(model, i, "mlp")
+def mlp_output(model, i: int, batch_size: int | None = None) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what block ``i``'s MLP adds to the residual stream (see ``term_output``)."""
+    return term_output(model, i, "mlp", batch_size)
 
 
 def attention_head_outputs(model, i: int) -> torch.Tensor:
@@ -88,7 +98,7 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
     return read_site(model.layers[i], f"{term.projection}.input").unflatten(-1, (heads, -1))
 
 
-def neuron_activations(model, i: int) -> torch.Tensor:
-    """``[batch, pos, d_mlp]``: block ``i``'s MLP neurons, the input of its down projection."""
+def neuron_activations(model, i: int, batch_size: int | None = None) -> torch.Tensor:
+    """``[batch, pos, d_mlp]``: block ``i``'s MLP neurons, the input of its down projection (see ``term_output``)."""
     term = find_term(model, i, "mlp")
-    return read_site(model.layers[i], f"{term.projection}.input")
+    return read_site(model.layers[i], f"{term.projection}.input", batch_size)

@@ -105,7 +105,7 @@ def _write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
 
 def _block_score(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions) -> torch.Tensor:
     """``[batch, 1]``: the term's write at the attributed position, dotted with its direction."""
-    value = read_site(layer, planned.term.output)[rows, positions].float()  # advanced indexing copies
+    value = read_site(layer, planned.term.output, rows.shape[0])[rows, positions].float()  # indexing copies
     u, constant = _write_direction(layer, planned, v)
     return (_dot(value, u) + constant).unsqueeze(-1)
 
@@ -114,7 +114,7 @@ def _split_scores(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions,
     """``[batch, parts + 1]``: one number per head / neuron, then the rest of the term (biases) under its own label."""
     term = planned.term
     projection = module_at(layer, term.projection)
-    inputs = projection.input[rows, positions].float()  # [batch, in_features]
+    inputs = read_site(projection, "input", rows.shape[0])[rows, positions].float()  # [batch, in_features]
     u, rest = _write_direction(layer, planned, v)
     if term.post_norm is not None:
         norm = module_at(layer, term.post_norm)

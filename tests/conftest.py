@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models per family (cached per session), prompts, and the plain-forward reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import dla_recipes  # noqa: E402,F401  (the nnterp shim, before nnterp)
+from dla_recipes.testing import tiny  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Three prompts of different lengths: the batch is padded, so positions must not shift with padding.
+PROMPTS = ["w5 w6 w7 w8 w9 w10", "w11 w12", "w13 w14 w15 w16"]
+TARGET, CONTRAST = "w20", "w21"
+
+_CACHE: dict[str, object] = {}
+
+
+def tiny_model(family: str):
+    """A tiny perturbed ``family`` model loaded with ``dla_recipes.load`` (cached for the session)."""
+    if family not in _CACHE:
+        _CACHE[family] = dla_recipes.load(tiny.build(family), tokenizer=tiny.tokenizer(), device_map="cpu")
+    return _CACHE[family]
+
+
+def plain_logits(model, prompt: str) -> torch.Tensor:
+    """``[pos, vocab]``: a plain transformers forward of one unpadded prompt, no nnsight involved."""
+    hf = model._module
+    ids = model.tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        return hf(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits[0].float()
+
+
+def tolerance(logit: torch.Tensor) -> torch.Tensor:
+    """The promised bound in float32: 1e-4 * max(1, |logit|)."""
+    return 1e-4 * torch.clamp(logit.abs(), min=1.0)
