@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
     import torch
+    import transformers
 
     import dla_recipes
+
+    transformers.utils.logging.disable_progress_bar()
     from dla_recipes.errors import DLAError
 
     try:

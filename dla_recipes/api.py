@@ -15,9 +15,9 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
-from .errors import ExactnessError
+from .errors import DLAError, ExactnessError, InputError, RemoteError
 from .families import family_of
-from .inputs import prepare
+from .inputs import per_prompt, prepare
 from .plan import Granularity, build_plan, check_granularity
 from .recipe import Readout, direct_logit_attribution
 
@@ -72,6 +72,14 @@ def load(model, tokenizer=None, **kwargs):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    if tokenizer is None and isinstance(model, str):
+        # nnsight 0.8.1 does not hand transformers 5's pipeline a tokenizer for a name or folder: load it here.
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except Exception as error:  # noqa: BLE001 - say what failed, nnsight would fail later with less
+            raise ValueError(f"could not load a tokenizer for {model!r} ({error}); pass tokenizer=...") from error
     if tokenizer is None and not isinstance(model, str):
         name = getattr(getattr(model, "config", None), "name_or_path", None)
         if name:
@@ -86,22 +94,56 @@ def load(model, tokenizer=None, **kwargs):
 
 
 def _register_for_remote() -> None:
+    """Ship dla_recipes by value: an NDIF server has nnsight and torch, not this package."""
     import dla_recipes
 
     nnsight.register(dla_recipes)
 
 
+def _remote_host(remote) -> str:
+    return remote if isinstance(remote, str) else str(nnsight.CONFIG.API.HOST)
+
+
+def remote_error(error: BaseException, remote) -> RemoteError:
+    """A ``RemoteError`` naming the cause of a failed remote run: key, host, model, or the server-side exception."""
+    host = _remote_host(remote)
+    text = str(error).strip() or type(error).__name__
+    if isinstance(error, (ConnectionError, TimeoutError)) or "Connection refused" in text:
+        return RemoteError(f"cannot reach the NDIF server at {host}: {text}. Is the host right and the server up?")
+    if "API key" in text or "api key" in text.lower():
+        return RemoteError(
+            f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
+        )
+    if "not hosted" in text or "not running" in text or "not deployed" in text:
+        return RemoteError(f"the NDIF server at {host} does not host this model: {text}")
+    cause = [line for line in text.splitlines() if line.strip()][-1].strip()
+    return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
+
+
 def run_trace(model, plan, batch, by: Granularity, remote=False) -> Readout:
-    """One trace running the recipe on ``batch``; ``remote``: False, True (NDIF) or a server URL."""
+    """One trace running the recipe on ``batch``; ``remote``: False, True (NDIF) or a server URL.
+
+    Remotely, the recipe runs server side and one ``[batch, n_components + 5]`` tensor comes back.
+    """
     trace_kwargs = {}
     if remote:
         _register_for_remote()
         trace_kwargs["remote"] = remote
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
-    with model.trace(dict(batch.encoding), **trace_kwargs):
-        readout = direct_logit_attribution(model, plan, positions, targets, contrasts, by)
-        readout = nnsight.save(readout)
-    return readout
+    try:
+        with model.trace(dict(batch.encoding), **trace_kwargs):
+            packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
+            packed = nnsight.save(packed)
+    except Exception as error:
+        if not remote or isinstance(error, DLAError):
+            raise
+        raise remote_error(error, remote) from error
+    return Readout.unpack(packed)
+
+
+def _chunks(n: int, size: int | None) -> list[slice]:
+    size = n if not size else max(1, int(size))
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 def attribute(
@@ -113,6 +155,8 @@ def attribute(
     position: int = -1,
     by: Granularity = "block",
     remote=False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
     tolerance: float | None = None,
 ) -> Attribution:
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
@@ -126,6 +170,8 @@ def attribute(
         by: ``"block"`` (embed, then each block's attention and MLP), ``"head"`` or ``"neuron"``.
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
+        batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
+        progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
 
     Returns:
@@ -133,11 +179,57 @@ def attribute(
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
     check_granularity(by)
-    batch = prepare(model, prompts, target, contrast, position)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise InputError("no prompts given: pass a string or a non-empty list of strings")
     plan = build_plan(model)
-    readout = run_trace(model, plan, batch, by, remote)
-    values = readout.values.float()
-    total = values.sum(-1) + readout.constant
+    targets = per_prompt(target, len(prompts), "target")
+    contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
+    batches = [
+        prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
+        for c in _chunks(len(prompts), batch_size)
+    ]
+    show = progress if progress is not None else len(batches) > 1
+    if show:
+        from tqdm.auto import tqdm
+
+        batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
+    else:
+        batches_iter = batches
+    readouts = [run_trace(model, plan, batch, by, remote) for batch in batches_iter]
+    readout = Readout(
+        values=torch.cat([r.values for r in readouts]).float(),
+        constant=torch.cat([r.constant for r in readouts]).float(),
+        logit=torch.cat([r.logit for r in readouts]).float(),
+        output_logit=torch.cat([r.output_logit for r in readouts]).float(),
+        head_error=torch.stack([r.head_error for r in readouts]).max(),
+        norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
+    )
+    error = check_exact(readout, plan, by, model, tolerance)
+    return Attribution(
+        values=readout.values,
+        labels=plan.labels(by),
+        constant=readout.constant,
+        logit=readout.logit,
+        output_logit=readout.output_logit,
+        error=error,
+        prompts=sum((b.prompts for b in batches), ()),
+        target_tokens=sum((b.target_tokens for b in batches), ()),
+        contrast_tokens=None if contrast is None else sum((b.contrast_tokens for b in batches), ()),
+        positions=sum((b.own_positions for b in batches), ()),
+        by=by,
+        family=plan.family.name,
+        diagnostics={"norm_fit_error": float(readout.norm_fit_error), "head_error": float(readout.head_error)},
+    )
+
+
+def check_exact(readout: Readout, plan, by: Granularity, model=None, tolerance: float | None = None) -> float:
+    """The self-check: raise ``ExactnessError`` unless ``values.sum(-1) + constant == logit``; return the error.
+
+    Also checks the family table's final head: the lm_head output through its logit scale and soft-cap must be the
+    model's output logits.
+    """
+    total = readout.values.sum(-1) + readout.constant
     gaps = (total - readout.logit).abs()
     error = float(gaps.max())
     rtol = tolerance if tolerance is not None else TOLERANCE.get(_model_dtype(model), 1e-4)
@@ -157,18 +249,4 @@ def attribute(
             f"{float(bound[worst]):.3g}, by={by!r}). The family table entry does not describe what this model's "
             "blocks add to the residual stream; dla_recipes refuses to return a wrong attribution."
         )
-    return Attribution(
-        values=values,
-        labels=plan.labels(by),
-        constant=readout.constant.float(),
-        logit=readout.logit.float(),
-        output_logit=readout.output_logit.float(),
-        error=error,
-        prompts=batch.prompts,
-        target_tokens=batch.target_tokens,
-        contrast_tokens=batch.contrast_tokens,
-        positions=tuple(batch.positions.tolist()),
-        by=by,
-        family=plan.family.name,
-        diagnostics={"norm_fit_error": float(readout.norm_fit_error), "head_error": head_error},
-    )
+    return error

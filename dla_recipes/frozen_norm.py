@@ -138,7 +138,7 @@ class FrozenNorm(torch.nn.Module):
     """
 
     def __init__(self, norm, stream: torch.Tensor, output: torch.Tensor | None = None, probe: NormProbe | None = None):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # explicit: nnsight ships this class by source, without a __class__ cell
         probe = probe if probe is not None else probe_norm(norm)
         with torch.no_grad():
             if output is None:

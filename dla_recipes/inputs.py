@@ -26,14 +26,16 @@ class Batch:
         prompts: the prompts, as given.
         encoding: ``{"input_ids", "attention_mask"}`` ``[batch, seq]``, padded on the tokenizer's side.
         positions: ``[batch]`` long, each prompt's attributed position as an index into the padded sequence.
+        own_positions: each attributed position as an index into the prompt's own tokens (``0..length-1``).
         targets, contrasts: ``[batch]`` long token ids (``contrasts`` None without a contrast).
-        target_tokens, contrast_tokens: the tokens as strings, for display.
+        target_tokens, contrast_tokens: the tokens decoded to text (``" Paris"``), for display.
         lengths: each prompt's own token count.
     """
 
     prompts: tuple[str, ...]
     encoding: dict
     positions: torch.Tensor
+    own_positions: tuple[int, ...]
     targets: torch.Tensor
     contrasts: torch.Tensor | None
     target_tokens: tuple[str, ...]
@@ -80,7 +82,8 @@ def resolve_token(model, token: Token, role: str = "target") -> int:
     return int(ids[0])
 
 
-def _per_prompt(value, n: int, role: str) -> list:
+def per_prompt(value, n: int, role: str) -> list:
+    """``value`` as one entry per prompt: a list of ``n``, or a single token repeated ``n`` times."""
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise InputError(f"{len(value)} {role} tokens for {n} prompts: give one for all or one per prompt")
@@ -113,7 +116,7 @@ def prepare(model, prompts: str | Sequence[str], target, contrast=None, position
     encoding = {"input_ids": encoding["input_ids"], "attention_mask": encoding["attention_mask"]}
     mask = encoding["attention_mask"].bool()
     lengths = mask.sum(-1).tolist()
-    positions = []
+    positions, own_positions = [], []
     for i, (prompt, length) in enumerate(zip(prompts, lengths)):
         if length == 0:
             raise InputError(f"prompt {i} ({prompt!r}) is empty: it has no tokens to attribute")
@@ -125,17 +128,19 @@ def prepare(model, prompts: str | Sequence[str], target, contrast=None, position
             )
         token_indices = mask[i].nonzero()[:, 0]
         positions.append(int(token_indices[own]))
-    targets = [resolve_token(model, t, "target") for t in _per_prompt(target, len(prompts), "target")]
+        own_positions.append(own)
+    targets = [resolve_token(model, t, "target") for t in per_prompt(target, len(prompts), "target")]
     contrasts = None
     if contrast is not None:
-        contrasts = [resolve_token(model, t, "contrast") for t in _per_prompt(contrast, len(prompts), "contrast")]
+        contrasts = [resolve_token(model, t, "contrast") for t in per_prompt(contrast, len(prompts), "contrast")]
     return Batch(
         prompts=tuple(prompts),
         encoding=encoding,
         positions=torch.tensor(positions, dtype=torch.long),
+        own_positions=tuple(own_positions),
         targets=torch.tensor(targets, dtype=torch.long),
         contrasts=None if contrasts is None else torch.tensor(contrasts, dtype=torch.long),
-        target_tokens=tuple(tokenizer.convert_ids_to_tokens(targets)),
-        contrast_tokens=None if contrasts is None else tuple(tokenizer.convert_ids_to_tokens(contrasts)),
+        target_tokens=tuple(tokenizer.decode([t]) for t in targets),
+        contrast_tokens=None if contrasts is None else tuple(tokenizer.decode([t]) for t in contrasts),
         lengths=tuple(int(n) for n in lengths),
     )

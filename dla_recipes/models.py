@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_MODEL_KEY",
     "MODELS",
+    "REGISTRY",
     "ModelFetchError",
     "cache_dir",
     "default_model_path",
@@ -512,6 +513,9 @@ MODELS: dict[str, Callable[[], Path]] = {
 }
 """Short model names a CLI can accept (``--model gemma3-270m``) -> function returning the cached model folder."""
 
+REGISTRY = MODELS
+"""Alias of :data:`MODELS` (the name ``dla_recipes.__main__`` uses)."""
+
 _ALIASES = {
     DEFAULT_MODEL.lower(): "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
@@ -534,10 +538,12 @@ def resolve_model(name: str | None = None) -> str:
 
     ``None`` -> the default model's folder; a registered short name (a key of :data:`MODELS`, or an alias such as
     ``"SmolLM2-135M-Instruct"``, case-insensitive) -> its cached folder (fetched and converted on first use);
-    anything else (a local path, a hub id) is returned unchanged.
+    anything else (an existing local path, which wins over a registered name, or a hub id) is returned unchanged.
     """
     if name is None:
         return str(default_model_path())
+    if Path(name).expanduser().exists():
+        return name
     try:
         key = _canonical_key(name)
     except KeyError:

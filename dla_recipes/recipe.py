@@ -55,6 +55,24 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
 
+    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error")
+
+    def pack(self) -> torch.Tensor:
+        """``[batch, n_components + 5]`` float32: everything in one tensor, the cheapest thing to send back."""
+        batch = self.values.shape[0]
+        extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self._SCALARS]
+        return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> "Readout":
+        """The inverse of ``pack``."""
+        k = len(cls._SCALARS)
+        values, extra = packed[:, :-k], packed[:, -k:]
+        scalars = dict(zip(cls._SCALARS, extra.unbind(-1)))
+        scalars["head_error"] = scalars["head_error"].max()
+        scalars["norm_fit_error"] = scalars["norm_fit_error"].max()
+        return cls(values=values, **scalars)
+
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b.to(a.device)).sum(-1)

@@ -256,9 +256,11 @@ def test_unshipped_project_code_fails_as_on_ndif(server, remote_models):
     """The server hides dla_recipes (NDIF doesn't have it): code from it must be nnsight.register()-ed to run."""
     from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
     from nnsight.intervention.backends.remote import RemoteError
+    from nnsight.ndif import pull_env
 
     from dla_recipes import _compat
 
+    pull_env()  # what the first remote trace does: registers non-installed ("local") packages for by-value shipping
     if any(name == "dla_recipes" or name.startswith("dla_recipes.") for name in _PICKLE_BY_VALUE_MODULES):
         pytest.skip("dla_recipes is registered for by-value shipping in this process (not pip-installed?)")
     remote = remote_models["tiny-llama"]

@@ -11,13 +11,17 @@ Python API::
 
     from dla_recipes.testing.loopback_ndif import LoopbackServer
 
-    with LoopbackServer({"tiny-llama": "/path/to/folder"}, api_key="k") as server:  # subprocess, free port, waits until ready
-        model = server.remote_model("tiny-llama")      # nnterp StandardizedTransformer(remote=True), weights not loaded
-        with server.client():                          # points nnsight's CONFIG at this server (host + key), restores on exit
+    with LoopbackServer({"tiny-llama": "/path/to/folder"}, api_key="k") as server:  # subprocess; waits until ready
+        model = server.remote_model("tiny-llama")  # nnterp StandardizedTransformer(remote=True), weights not loaded
+        with server.client():                      # nnsight's CONFIG host + key -> this server, restored on exit
             with model.trace("w1 w2 w3", remote=True):
                 logits = model.logits.save()
-        server.stats()                                 # one dict per request: request_bytes, result_bytes, seconds, ...
-    # the server process is stopped by its pid on exit
+        server.stats()                             # one dict per request: request_bytes, result_bytes, seconds, ...
+    # the server process is stopped by its pid on exit (also at interpreter exit, and it exits if its parent dies)
+
+The server computes single-threaded (``OMP_NUM_THREADS`` defaults to 1 there); a bit-exact remote == local
+comparison needs the local forward single-threaded too (``torch.set_num_threads(1)``), since float reductions
+depend on the thread count.
 
 Command line (same server, foreground)::
 
@@ -55,8 +59,9 @@ canonicalizes ``repo_id`` with ``HfApi().model_info(repo_id)``, memoized in ``nn
 folder under a *name*, and :func:`register_model_key` seeds that cache entry, ``folder -> name`` (for the spellings of
 the folder path), which is exactly what the lookup would have stored: the key then reads ``"repo_id": "<name>"``, no
 hub call is made, and everything else about the model is untouched, so ``remote=True`` / ``remote=url`` /
-``backend=`` all work. The server resolves the name through its allow-list and loads that folder the way the official
-actor does (``TransformersModel`` from the key, ``dispatch=True``). ``LoopbackServer.remote_model`` does both steps.
+``backend=`` all work. The server resolves the name through its allow-list (any other name: 404) and serves that
+folder as the key's wrapper, ``TransformersModel(folder, task="text-generation", dispatch=True)``, loaded at startup.
+``LoopbackServer.remote_model`` does the client half.
 ``_ID_CACHE`` is nnsight-private; :func:`register_model_key` fails loudly if a future nnsight drops it.
 
 Faithfulness: the server process does not import ``dla_recipes`` or ``nnterp`` and refuses to import them (a real NDIF
@@ -73,6 +78,7 @@ import gc
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -127,19 +133,18 @@ def load_tokenizer(folder: str | os.PathLike):
 
 
 def standardized_model(folder: str | os.PathLike, *, remote: bool = False, name: Optional[str] = None, **kwargs: Any):
-    """An nnterp ``StandardizedTransformer`` for a local folder, with the folder's tokenizer.
+    """A ``StandardizedTransformer`` for a local folder (``dla_recipes.load``), with the folder's tokenizer.
 
     ``remote=True``: meta weights only (nothing loaded locally) and nnterp registered for by-value shipping; pass
     ``name`` (the server's name for the folder) so the model key resolves offline. ``remote=False``: a local model
     whose weights load on first use, for comparing against a remote run.
     """
-    import dla_recipes  # noqa: F401  (nnterp 1.3.0 on nnsight 0.8 needs the shim before nnterp is imported)
-    from nnterp import StandardizedTransformer
+    import dla_recipes
 
     if name is not None:
         register_model_key(folder, name)
     kwargs.setdefault("tokenizer", load_tokenizer(folder))
-    return StandardizedTransformer(str(Path(folder).expanduser().absolute()), remote=remote, **kwargs)
+    return dla_recipes.load(str(Path(folder).expanduser().absolute()), remote=remote, **kwargs)
 
 
 @contextlib.contextmanager
@@ -159,7 +164,8 @@ def nnsight_client(host: str, api_key: Optional[str]) -> Iterator[None]:
         CONFIG.API.HOST, CONFIG.API.APIKEY = saved
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on at this moment (e.g. to test an unreachable server)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -175,7 +181,7 @@ class LoopbackServer:
     Args:
         models: served name -> local model folder (the allow-list; nothing else is loaded).
         api_key: the key the server requires (``ndif-api-key`` header).
-        port: fixed port, or None for a free one.
+        port: fixed port, or None for a free one (chosen by the server, read back from its ready line).
         inline_limit: results up to this many bytes ride on the websocket, larger ones are downloaded.
         blocked_imports: top-level packages the server refuses to import (default: ``dla_recipes``, ``nnterp``).
         startup_timeout: seconds to wait for the models to load and the port to answer.
@@ -209,6 +215,7 @@ class LoopbackServer:
         self.log_path = Path(log_path) if log_path else None
         self.process: Optional[subprocess.Popen] = None
         self._finalizer = None
+        self._log_offset = 0
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -226,14 +233,15 @@ class LoopbackServer:
         if self.process is not None:
             return self
         _check_server_dependencies()
-        if self.port is None:
-            self.port = _free_port()
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix="loopback_ndif_", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
-        command = [sys.executable, "-P", str(Path(__file__).resolve()), "--port", str(self.port)]
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # Port 0: the server binds a free port itself and announces it (no window for another process to take it).
+        command = [sys.executable, "-P", str(Path(__file__).resolve()), "--port", str(self.port or 0)]
         command += ["--inline-limit", str(self.inline_limit), "--blocked-imports", ",".join(self.blocked_imports)]
+        command += ["--parent-pid", str(os.getpid())]
         for name, folder in self.models.items():
             command += ["--model", f"{name}={folder}"]
         env = dict(os.environ)
@@ -273,7 +281,9 @@ class LoopbackServer:
                     f"the loopback NDIF server exited with code {self.process.returncode} during startup:\n"
                     f"{self.log_tail()}"
                 )
-            if _READY_PREFIX in self._read_log():
+            ready = re.search(rf"^{_READY_PREFIX} port=(\d+)", self._read_log(), re.MULTILINE)
+            if ready:
+                self.port = int(ready.group(1))
                 try:
                     if httpx.get(f"{self.url}/ping", timeout=2.0).status_code == 200:
                         return
@@ -285,8 +295,11 @@ class LoopbackServer:
         )
 
     def _read_log(self) -> str:
+        """This run's part of the log."""
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                return log.read().decode(errors="replace")
         except OSError:
             return ""
 
@@ -365,7 +378,9 @@ def _check_server_dependencies() -> None:
 
     missing = [spec for name, spec in SERVER_REQUIREMENTS.items() if importlib.util.find_spec(name) is None]
     if missing:
-        raise LoopbackServerError("the loopback NDIF server needs packages that are not installed: " + "; ".join(missing))
+        raise LoopbackServerError(
+            "the loopback NDIF server needs packages that are not installed: " + "; ".join(missing)
+        )
 
 
 def _stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -573,7 +588,10 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
             return False
         done = asyncio.get_running_loop().create_future()
         await queue.put((message, done))
-        return await done
+        try:  # bounded: a session that closes right after this put never answers
+            return await asyncio.wait_for(done, timeout=60.0)
+        except asyncio.TimeoutError:
+            return False
 
     async def run(job: _Job) -> None:
         await publish(job, response_json(job, Status.QUEUED, "Your job has been queued."))
@@ -780,6 +798,8 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--model", action="append", default=[], metavar="NAME=FOLDER", help="serve FOLDER as NAME")
     parser.add_argument("--inline-limit", type=int, default=DEFAULT_INLINE_LIMIT,
                         help="results up to this many bytes go back on the websocket, larger ones by download")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is gone (LoopbackServer passes its own pid)")
     parser.add_argument("--blocked-imports", default=",".join(DEFAULT_BLOCKED_IMPORTS),
                         help="comma-separated packages the server refuses to import ('' for none)")
     args = parser.parse_args(argv)
@@ -798,6 +818,18 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         parser.error("serve at least one --model NAME=FOLDER")
     args.models = models
     return args
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM this server once ``parent_pid`` is gone, so a killed test run leaves no server behind."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="loopback-ndif-parent-watch", daemon=True).start()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -821,6 +853,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", args.port))  # loopback only, never 0.0.0.0
@@ -829,7 +863,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for model in served.values():
         print(f"serving {model.name} from {model.folder} as {model.model_key}", flush=True)
     app = build_app(served, args.api_key, args.inline_limit, port)
-    config = uvicorn.Config(app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=2, lifespan="on")
+    config = uvicorn.Config(
+        app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=2, lifespan="on"
+    )
     uvicorn.Server(config).run(sockets=[listener])
 
 

@@ -549,8 +549,11 @@ def config(family: str):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def build(family: str, seed: int = 0) -> "transformers.PreTrainedModel":  # noqa: F821
-    """A tiny random ``family`` model, float32, eval mode, with ``perturb(model, seed)`` applied."""
+def build(family: str, seed: int = 0, *, perturbed: bool = True) -> "transformers.PreTrainedModel":  # noqa: F821
+    """A tiny random ``family`` model, float32, eval mode, with ``perturb(model, seed)`` applied.
+
+    ``perturbed=False`` skips the perturbation (plain transformers init) -- only to demonstrate what it catches.
+    """
     import transformers
 
     _check(family)
@@ -559,7 +562,8 @@ def build(family: str, seed: int = 0) -> "transformers.PreTrainedModel":  # noqa
     torch.manual_seed(seed)
     model = cls(cfg)
     model = model.to(torch.float32).eval()
-    perturb(model, seed)
+    if perturbed:
+        perturb(model, seed)
     return model
 
 
@@ -605,7 +609,7 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
         if leaf == "temp" and type(owner).__name__ == "ZayaQKNorm":
             t.copy_(1.0 + 0.3 * randn(t))
             continue
-        if "inv_freq" in leaf:  # rotary tables are not learned constants
+        if "inv_freq" in leaf or leaf == "eps":  # rotary tables, numerical epsilons: not learned gains
             continue
         flat = t.detach().reshape(-1).float()
         if not torch.isfinite(flat).all():

@@ -1,0 +1,139 @@
+"""Remote attribution through a real NDIF server process (the loopback server), against local runs.
+
+The server (``dla_recipes.testing.loopback_ndif``) runs the ``ndif`` package's own request execution code in a
+separate process that has neither dla_recipes nor nnterp installed, so the recipe must travel by value. Remote must
+equal local to 0.0 (both single-threaded), and only the attribution's few numbers may come back.
+"""
+
+import contextlib
+import secrets
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import CONTRAST, PROMPTS, TARGET
+from dla_recipes import RemoteError
+from dla_recipes.testing import tiny
+from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port
+
+SERVED = ["gpt2", "llama", "gemma2"]  # a LayerNorm + Conv1D family, an RMSNorm/GQA family, a sandwich-norm family
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    folders = {}
+    for family in SERVED:
+        folder = root / family
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        folders[family] = str(folder)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def single_threaded():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server computes single-threaded; float reductions depend on the thread count
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("by", ["block", "head", "neuron"])
+@pytest.mark.parametrize("family", SERVED)
+def test_remote_equals_local(server, family, by):
+    remote_model, local_model = server.remote_model(family), server.local_model(family)
+    with server.client():
+        remote = dla_recipes.attribute(remote_model, PROMPTS, TARGET, contrast=CONTRAST, by=by, remote=True)
+    with single_threaded():
+        local = dla_recipes.attribute(local_model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+    assert remote.labels == local.labels
+    assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+    assert torch.equal(remote.logit, local.logit) and torch.equal(remote.constant, local.constant)
+    assert remote.error <= 1e-4 * max(1.0, float(remote.logit.abs().max()))
+    # the remote model never loaded its weights: everything ran server side
+    assert all(p.device.type == "meta" for p in remote_model._module.parameters())
+
+
+def test_remote_by_url(server):
+    """``remote="http://127.0.0.1:PORT"`` names the server directly (the key still comes from nnsight's config)."""
+    model = server.remote_model("llama")
+    with server.client():
+        by_url = dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=server.url)
+        by_config = dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+    assert torch.equal(by_url.values, by_config.values)
+
+
+@pytest.mark.parametrize("prompt_words", [3, 60])
+def test_result_bytes_stay_small(server, prompt_words):
+    """The result is the attribution's tensor: under 1 KB + 8 B per component, whatever the prompt length."""
+    model = server.remote_model("llama")
+    prompt = " ".join(f"w{i % 100}" for i in range(prompt_words))
+    server.clear_stats()
+    with server.client():
+        attr = dla_recipes.attribute(model, prompt, TARGET, remote=True)
+    record = server.stats()[-1]
+    assert record["status"] == "COMPLETED"
+    bound = 1024 + 8 * len(attr.labels)
+    assert record["result_bytes"] <= bound, record
+
+
+def test_many_prompts_in_batches_with_progress(server, capsys):
+    model = server.remote_model("gpt2")
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(6)]
+    server.clear_stats()
+    with server.client():
+        chunked = dla_recipes.attribute(model, prompts, TARGET, remote=True, batch_size=2, progress=True)
+        whole = dla_recipes.attribute(model, prompts, TARGET, remote=True)
+    assert [r["status"] for r in server.stats()] == ["COMPLETED"] * 4  # three batches, then one request for all six
+    torch.testing.assert_close(chunked.values, whole.values, atol=1e-6, rtol=1e-5)
+    assert "DLA by block" in capsys.readouterr().err
+
+
+# -- errors: each names its cause, and nothing falls back to a local computation ------------------------------------
+
+
+def test_wrong_api_key(server):
+    model = server.remote_model("llama")
+    with server.client(api_key="not-the-key"), pytest.raises(RemoteError, match=r"refused the API key.*Invalid API key"):
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+
+
+def test_missing_api_key(server):
+    model = server.remote_model("llama")
+    with server.client(api_key=None), pytest.raises(RemoteError, match=r"refused the API key.*Missing API key"):
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+
+
+def test_unreachable_server(server):
+    model = server.remote_model("llama")
+    closed = f"http://127.0.0.1:{free_port()}"
+    with server.client(), pytest.raises(RemoteError, match=rf"cannot reach the NDIF server at {closed}"):
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=closed)
+
+
+def test_model_not_hosted(server, tmp_path):
+    from dla_recipes.testing.loopback_ndif import standardized_model
+
+    folder = tmp_path / "other"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    model = standardized_model(folder, remote=True, name="not-served")
+    with server.client(), pytest.raises(RemoteError, match=r"does not host this model.*not-served"):
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+
+
+def test_server_side_exception(server):
+    """An exception inside the remote trace comes back as a RemoteError naming it (here an out-of-range position)."""
+    from dla_recipes.api import run_trace
+    from dla_recipes.inputs import prepare
+
+    model = server.remote_model("llama")
+    batch = prepare(model, PROMPTS[0], TARGET)
+    object.__setattr__(batch, "positions", torch.tensor([999]))  # bypass the client-side check on purpose
+    with server.client(), pytest.raises(RemoteError, match=r"failed on the NDIF server at .*: IndexError: index 999 is out of bounds"):
+        run_trace(model, dla_recipes.build_plan(model), batch, "block", remote=True)
