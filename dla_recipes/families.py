@@ -27,7 +27,7 @@ from typing import Literal
 
 from .errors import UnknownFamilyError
 
-Split = Literal["heads", "neurons"]
+Split = Literal["heads", "neurons", "experts"]
 
 
 @dataclass(frozen=True)
@@ -35,22 +35,29 @@ class Term:
     """One term a block writes into the residual stream.
 
     The stream after the term is ``(stream + stream_bias) * stream_scale + write`` where
-    ``write = (read(output) + bias) * scale * config[multiplier]`` and ``read(output)`` is
+    ``write = (outer_norm(read(output)) + bias) * scale * config[multiplier]`` and ``read(output)`` is
     ``post_norm(projection(projection.input))`` when those are given.
 
     Attributes:
         name: the label suffix (``"attn"``, ``"mlp"``, ``"mixer"``, ...): components are labelled ``f"L{i}.{name}"``.
-        output: the tensor added (before ``multiplier`` / ``scale`` / ``bias``): ``"<path>.output"`` or
-            ``"<path>.input"``; a tuple value is read at its first element.
-        split: ``"heads"`` or ``"neurons"`` when ``projection``'s input splits the term, else ``None``.
-        projection: the linear map (``nn.Linear`` or GPT-2's ``Conv1D``) whose input is the per-head outputs
-            ``[batch, pos, heads * head_dim]`` or the neuron activations ``[batch, pos, d_mlp]``.
+        output: the tensor added (before ``outer_norm``, ``multiplier``, ``scale``, ``bias``): ``"<path>.output"``
+            or ``"<path>.input"``; a tuple value is read at its first element.
+        split: how ``projection`` splits the term: ``"heads"`` (its input is ``[batch, pos, heads * head_dim]``),
+            ``"neurons"`` (its input is ``[batch, pos, d_mlp]``), ``"experts"`` (a fused mixture-of-experts module
+            called as ``experts(hidden [tokens, d], top_k_index [tokens, k], top_k_weights [tokens, k])`` with
+            ``gate_up_proj [E, 2 * d_expert, d]`` and ``down_proj [E, d, d_expert]``), or ``None``.
+        projection: the linear map (``nn.Linear`` or GPT-2's ``Conv1D``), or the fused experts module.
         post_norm: a norm between ``projection`` and ``output`` (sandwich / post-norm families).
+        outer_norm: a norm applied after ``output``, to the sum of this and the block's other terms that name it
+            (Gemma-4's ``post_feedforward_layernorm`` over its dense MLP and its experts).
         multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``).
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
-        stream_scale, stream_bias: parameter paths acting on the stream as this term is added.
+        stream_scale, stream_bias: parameter paths acting on the stream as this term is added (Doge, ZAYA).
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
         flat: the module sees batch and position flattened, ``[batch * pos, ...]`` (OPT's ``fc1`` / ``fc2``).
+        shared: experts split: the down projection of a dense shared expert added to the routed experts.
+        shared_gate: experts split: ``sigmoid(shared_gate.output)`` multiplies the shared expert (Qwen2-MoE).
+        shared_first: experts split: the shared expert runs before the routed experts (forward order of reads).
     """
 
     name: str
@@ -58,6 +65,7 @@ class Term:
     split: Split | None = None
     projection: str | None = None
     post_norm: str | None = None
+    outer_norm: str | None = None
     multiplier: str | None = None
     scale: str | None = None
     bias: str | None = None
@@ -65,6 +73,9 @@ class Term:
     stream_bias: str | None = None
     clone: bool = False
     flat: bool = False
+    shared: str | None = None
+    shared_gate: str | None = None
+    shared_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,9 @@ def _sequential(
 
 
 LLAMA_LIKE = _sequential()
+ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj")
+DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj")
+ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts")  # a fused mixture of experts, no shared expert
 
 # --- the table ---------------------------------------------------------------------------------------------------
 
@@ -157,6 +171,69 @@ FAMILIES: tuple[Family, ...] = (
            notes="post-norm only."),
     Family("glm4", ("glm4",), _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm"),
            notes="sandwich norms."),
+    # Mixtures of experts (fused experts modules): one term per expert, and neurons inside the experts that fired.
+    Family("mixtral", ("mixtral",), (LayerKind((ATTENTION, ROUTED)),)),
+    Family("olmoe", ("olmoe",), (LayerKind((ATTENTION, ROUTED)),)),
+    Family("qwen2_moe", ("qwen2_moe",), (LayerKind((ATTENTION, Term(
+        "mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+        shared_gate="mlp.shared_expert_gate", shared_first=True))),),
+        notes="a shared expert gated by sigmoid(shared_expert_gate), run before the routed experts."),
+    Family("deepseek_v3", ("deepseek_v3",), (
+        LayerKind((ATTENTION, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj")),
+                  when="mlp.experts"),
+        LayerKind((ATTENTION, DENSE_MLP)),
+    ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
+    # Gates and scalars on the stream itself.
+    Family("doge", ("doge",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual"),
+        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual"),
+    )),), notes="per-channel residual gates: mid = input_residual * x + attn; out = post_attention_residual * mid + mlp."),
+    Family("zaya", ("zaya",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.o_proj",
+             scale="post_attention_residual_scale.hidden_states_scale",
+             bias="post_attention_residual_scale.hidden_states_bias",
+             stream_scale="post_attention_residual_scale.residual_scale",
+             stream_bias="post_attention_residual_scale.residual_bias"),
+        Term("mlp", "mlp.output", "experts", "mlp.experts",
+             scale="post_mlp_residual_scale.hidden_states_scale",
+             bias="post_mlp_residual_scale.hidden_states_bias",
+             stream_scale="post_mlp_residual_scale.residual_scale",
+             stream_bias="post_mlp_residual_scale.residual_bias"),
+    )),), notes="each merge is (h + hb) * hs + (stream + rb) * rs (ZayaResidualScaling); MoE MLP."),
+    Family("gemma4", ("gemma4_text", "gemma4"), (
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
+            Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
+                 post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm"),
+            Term("experts", "post_feedforward_layernorm_2.output", "experts", "experts",
+                 post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm"),
+        ), when="experts"),
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm"),
+            Term("ple", "post_per_layer_input_norm.output"),
+        ), when="per_layer_input_gate"),
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm"),
+        )),
+    ), layer_scale="layer_scalar", softcap="final_logit_softcapping",
+        notes="sandwich norms; a per-layer-input branch (ple); the whole stream times layer_scalar after each block; "
+              "the MoE variant adds experts beside the MLP, both under post_feedforward_layernorm."),
+    # Hybrids: recurrent mixers beside (or instead of) attention.
+    Family("recurrent_gemma", ("recurrent_gemma",), (
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj"), DENSE_MLP), when="self_attn.o_proj"),
+        LayerKind((Term("mixer", "self_attn.output"), DENSE_MLP)),
+    ), softcap="logits_soft_cap",
+        rename={"ln_final_name": "final_norm", "attn_name": "temporal_block", "mlp_name": "mlp_block"},
+        notes="local attention and RG-LRU blocks (temporal_block); embedding times a bfloat16 normalizer; logits soft-capped."),
+    Family("zamba2", ("zamba2",), (
+        LayerKind((Term("mixer", "mamba_decoder.mamba.output"),), when="mamba_decoder"),
+        LayerKind((Term("mixer", "mamba.output"),)),
+    ), rename={"attn_name": ["mamba", "mamba_decoder.mamba"], "ln_final_name": "final_layernorm", "ignore_mlp": True},
+        load_kwargs={"allow_multimodal": True},
+        notes="Mamba-2 mixers; hybrid blocks feed a shared transformer's output into the mixer, whose output is the "
+              "block's only write."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),

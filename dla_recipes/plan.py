@@ -16,20 +16,22 @@ import torch
 from .errors import FamilyTableError
 from .families import Family, Term, family_of
 
-Granularity = str  # "block" | "head" | "neuron"
-GRANULARITIES = ("block", "head", "neuron")
+Granularity = str  # "block" | "head" | "neuron" | "expert"
+GRANULARITIES = ("block", "head", "neuron", "expert")
 
 
 @dataclass(frozen=True)
 class PlannedTerm:
-    """A ``Term`` with its constants resolved for one block.
+    """A ``Term`` with its constants and shapes resolved for one block.
 
     Attributes:
         term: the table's ``Term``.
         multiplier: ``config[term.multiplier]`` as a float (1.0 when none).
-        parts: how many pieces ``projection.input`` splits into (heads or neurons; 0 when the term does not split).
+        parts: heads / neurons split: how many pieces ``projection.input`` splits into.
         part_width: the width of one piece (``head_dim`` for heads, 1 for neurons).
         transposed: the projection stores its weight ``[in, out]`` (GPT-2's ``Conv1D``) rather than ``[out, in]``.
+        experts, expert_width: experts split: the number of routed experts and each one's neurons.
+        shared_width: experts split: the shared expert's neurons (0: none).
     """
 
     term: Term
@@ -37,6 +39,37 @@ class PlannedTerm:
     parts: int = 0
     part_width: int = 0
     transposed: bool = False
+    experts: int = 0
+    expert_width: int = 0
+    shared_width: int = 0
+
+    def mode(self, by: Granularity) -> str | None:
+        """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
+        ``"experts"`` (one component per expert) or ``"expert_neurons"`` (one per neuron of every expert)."""
+        split = self.term.split
+        if split == "heads" and by == "head" and self.parts:
+            return "heads"
+        if split == "neurons" and by == "neuron" and self.parts:
+            return "neurons"
+        if split == "experts" and self.experts:
+            return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
+        return None
+
+    def labels(self, i: int, by: Granularity) -> list[str]:
+        """This term's component labels in block ``i``; the last is always the block label (the term's rest)."""
+        mode, block = self.mode(by), f"L{i}.{self.term.name}"
+        if mode == "heads":
+            parts = [f"L{i}.H{p}" for p in range(self.parts)]
+        elif mode == "neurons":
+            parts = [f"L{i}.N{p}" for p in range(self.parts)]
+        elif mode == "experts":
+            parts = [f"L{i}.E{e}" for e in range(self.experts)] + ([f"L{i}.shared"] if self.shared_width else [])
+        elif mode == "expert_neurons":
+            parts = [f"L{i}.E{e}.N{n}" for e in range(self.experts) for n in range(self.expert_width)]
+            parts += [f"L{i}.shared.N{n}" for n in range(self.shared_width)]
+        else:
+            parts = []
+        return parts + [block]
 
 
 @dataclass(frozen=True)
@@ -50,27 +83,19 @@ class Plan:
     num_heads: int
 
     def labels(self, by: Granularity = "block") -> list[str]:
-        """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127``)."""
+        """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` /
+        ``L3.E2`` / ``L3.E2.N17`` when split; a split term keeps its block label for its rest)."""
         check_granularity(by)
         labels = ["embed"]
         for i, terms in enumerate(self.layers):
             for planned in terms:
-                if splits(planned, by):
-                    prefix = "H" if planned.term.split == "heads" else "N"
-                    labels.extend(f"L{i}.{prefix}{p}" for p in range(planned.parts))
-                labels.append(f"L{i}.{planned.term.name}")
+                labels.extend(planned.labels(i, by))
         return labels
 
 
 def check_granularity(by: str) -> None:
     if by not in GRANULARITIES:
         raise ValueError(f"by={by!r} is not a granularity: use one of {', '.join(map(repr, GRANULARITIES))}")
-
-
-def splits(planned: PlannedTerm, by: Granularity) -> bool:
-    """Whether this term is split into parts at granularity ``by``."""
-    wanted = {"head": "heads", "neuron": "neurons"}.get(by)
-    return wanted is not None and planned.term.split == wanted and planned.parts > 0
 
 
 def module_at(root, path: str):
@@ -127,8 +152,8 @@ def build_plan(model, family: Family | None = None) -> Plan:
         layer_module = layer._module
         planned = []
         for term in layer_terms(family, layer):
-            for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.scale, term.bias,
-                         term.stream_scale, term.stream_bias):
+            for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
+                         term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate):
                 if path and path not in ("output", "input") and not _has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
@@ -137,9 +162,14 @@ def build_plan(model, family: Family | None = None) -> Plan:
             multiplier = 1.0
             if term.multiplier is not None:
                 multiplier = float(getattr(config, term.multiplier))
-            parts = width = 0
+            parts = width = experts = expert_width = shared_width = 0
             transposed = False
-            if term.split is not None and term.projection is not None:
+            if term.split == "experts":
+                module = module_at(layer, term.projection)._module
+                experts, expert_width = int(module.down_proj.shape[0]), int(module.down_proj.shape[-1])
+                if term.shared is not None:
+                    shared_width = _linear_shape(module_at(layer, term.shared)._module)[0]
+            elif term.split is not None and term.projection is not None:
                 in_features, _, transposed = _linear_shape(module_at(layer, term.projection)._module)
                 if term.split == "heads":
                     if in_features % num_heads:
@@ -150,7 +180,7 @@ def build_plan(model, family: Family | None = None) -> Plan:
                     parts, width = num_heads, in_features // num_heads
                 else:
                     parts, width = in_features, 1
-            planned.append(PlannedTerm(term, multiplier, parts, width, transposed))
+            planned.append(PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width))
         layers.append(tuple(planned))
     logit_scale = 1.0
     if family.logits_times is not None:

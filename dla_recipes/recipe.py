@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
-from .plan import Granularity, Plan, PlannedTerm, check_granularity, module_at, splits
+from .plan import Granularity, Plan, PlannedTerm, check_granularity, module_at
 from .readers import layer_input, read_site
 
 
@@ -121,34 +121,135 @@ def _write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
     return u, constant
 
 
-def _block_score(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions) -> torch.Tensor:
-    """``[batch, 1]``: the term's write at the attributed position, dotted with its direction."""
-    value = read_site(layer, planned.term.output, rows.shape[0])[rows, positions].float()  # indexing copies
-    u, constant = _write_direction(layer, planned, v)
-    return (_dot(value, u) + constant).unsqueeze(-1)
+def _at(value: torch.Tensor, rows, positions) -> torch.Tensor:
+    """``value[rows, positions]`` in float32 (advanced indexing copies, so later in-place edits cannot reach it)."""
+    return value[rows.to(value.device), positions.to(value.device)].float()
 
 
-def _split_scores(layer, planned: PlannedTerm, v: torch.Tensor, rows, positions, fit_errors: list) -> torch.Tensor:
-    """``[batch, parts + 1]``: one number per head / neuron, then the rest of the term (biases) under its own label."""
-    term = planned.term
-    projection = module_at(layer, term.projection)
-    inputs = read_site(projection, "input", rows.shape[0])[rows, positions].float()  # [batch, in_features]
-    u, rest = _write_direction(layer, planned, v)
+def _frozen(norm, rows, positions, batch: int) -> FrozenNorm:
+    """A norm envoy frozen at its real input at the attributed positions (reads its input, then its output)."""
+    probe = probe_norm(norm)
+    stream = _at(read_site(norm, "input", batch), rows, positions)
+    return probe.freeze(stream, _at(read_site(norm, "output", batch), rows, positions))
+
+
+def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) -> dict:
+    """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``)."""
+    term, batch = planned.term, rows.shape[0]
+    data: dict = {}
+    if mode is None:
+        data["value"] = _at(read_site(layer, term.output, batch), rows, positions)
+        return data
+    if mode in ("heads", "neurons"):
+        data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions)
+    else:
+        if term.shared is not None and term.shared_first:
+            data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
+        args, kwargs = module_at(layer, term.projection).inputs
+        hidden, index, weights = (list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs])[:3]
+        tokens = (rows.to(hidden.device) * (hidden.shape[0] // batch) + positions.to(hidden.device))
+        data["hidden"], data["index"], data["weights"] = hidden[tokens].float(), index[tokens], weights[tokens].float()
+        if term.shared is not None and not term.shared_first:
+            data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
+        if term.shared_gate is not None:
+            data["gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.shared_gate), "output", batch), rows, positions))
     if term.post_norm is not None:
-        norm = module_at(layer, term.post_norm)
-        probe = probe_norm(norm)
-        frozen = probe.freeze(norm.input[rows, positions], norm.output[rows, positions])
-        fit_errors.append(frozen.fit_error)
-        rest = rest + _dot(u, probe.bias)
-        u = frozen.transpose(u)
-    weight = projection.weight.float()
+        data["post_norm"] = _frozen(module_at(layer, term.post_norm), rows, positions, batch)
+    return data
+
+
+def _linear_pullback(module, u: torch.Tensor, transposed: bool):
+    """``(W^T u [batch, in_features], bias . u [batch] or 0.0)`` for an ``nn.Linear`` (or ``Conv1D`` if transposed)."""
+    weight = module.weight.float()
     u = u.to(weight.device)
-    pulled = u @ weight.T if planned.transposed else u @ weight  # [batch, in_features]
-    if getattr(projection, "bias", None) is not None:
-        rest = rest + _dot(u, projection.bias.float())
-    parts = (inputs * pulled.to(inputs.device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    pulled = u @ weight.T if transposed else u @ weight
+    bias = getattr(module, "bias", None)
+    return pulled, (_dot(u, bias.float()) if bias is not None else 0.0)
+
+
+def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.Tensor):
+    """``(parts [batch, E or E * d_expert (+ shared)], rest)`` for a fused mixture of experts, at one token per row.
+
+    Each routed expert's neurons are recomputed from the model's own routing (the experts module's inputs) and
+    weights: ``act = act_fn(gate) * up`` of ``gate_up_proj[e] @ x``; the expert writes ``w * down_proj[e] @ act``.
+    """
+    term = planned.term
+    experts = module_at(layer, term.projection)
+    gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, d], [E, d, I]
+    limit = getattr(experts._module, "limit", None)  # a SwiGLU clamp (DeepSeek-V4)
+    batch, width = u.shape[0], planned.expert_width
+    neurons = torch.zeros(batch, planned.experts, width, device=u.device)
+    u = u.to(down.device)
+    for slot in range(data["index"].shape[-1]):
+        e, w = data["index"][:, slot].to(down.device), data["weights"][:, slot].to(down.device)
+        routed = e < planned.experts  # index E means "no expert" (a dropped slot)
+        e, w = torch.where(routed, e, 0), torch.where(routed, w, 0.0)
+        gate, up = torch.einsum("bd,bfd->bf", data["hidden"].to(down.device), gate_up[e].float()).chunk(2, dim=-1)
+        if limit is not None:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        act = experts.act_fn(gate) * up  # [batch, I]
+        written = torch.einsum("bd,bdi->bi", u, down[e].float())  # each neuron's output column, read along u
+        neurons[torch.arange(batch), e.to(neurons.device)] += (w[:, None] * act * written).to(neurons.device)
+    parts = [neurons.sum(-1) if mode == "experts" else neurons.flatten(1)]
+    rest: torch.Tensor | float = 0.0
+    if term.shared is not None:
+        pulled, rest = _linear_pullback(module_at(layer, term.shared), u, transposed=False)
+        gate = data["gate"].to(pulled.device) if "gate" in data else 1.0
+        shared = data["shared"].to(pulled.device) * pulled * gate
+        rest = rest * (gate[:, 0] if "gate" in data else 1.0)
+        parts.append(shared.sum(-1, keepdim=True) if mode == "experts" else shared)
+    return torch.cat([p.to(u.device) for p in parts], -1), rest
+
+
+def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: torch.Tensor, outer: FrozenNorm | None,
+               outer_bias: bool) -> torch.Tensor:
+    """``[batch, parts + 1]``: the term's parts (heads, neurons, experts; none at block level), then its rest."""
+    term = planned.term
+    u, rest = _write_direction(layer, planned, v)
+    if outer is not None:
+        if outer_bias:
+            rest = rest + _dot(u, outer.bias)
+        u = outer.transpose(u)
+    if mode is None:
+        return (_dot(data["value"], u) + rest).unsqueeze(-1)
+    if "post_norm" in data:
+        rest = rest + _dot(u, data["post_norm"].bias)
+        u = data["post_norm"].transpose(u)
+    if mode in ("heads", "neurons"):
+        pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
+        parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+        rest = rest + bias
+    else:
+        parts, bias = _expert_scores(layer, planned, mode, data, u)
+        rest = rest + bias
     rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
     return torch.cat([parts, rest.unsqueeze(-1)], -1)
+
+
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
+    """``[batch, n]`` scores of one block's terms: all its reads first, in forward order, then the arithmetic.
+
+    A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
+    """
+    modes = [planned.mode(by) for planned in terms]
+    last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
+    datas, outers = [], {}
+    for k, planned in enumerate(terms):
+        datas.append(read_term(layer, planned, modes[k], rows, positions))
+        for path, last in last_user.items():
+            if last == k:
+                outers[path] = _frozen(module_at(layer, path), rows, positions, rows.shape[0])
+                fit_errors.append(outers[path].fit_error)
+    fit_errors.extend(d["post_norm"].fit_error for d in datas if "post_norm" in d)
+    scores, biased = [], set()
+    for k, planned in enumerate(terms):
+        path = planned.term.outer_norm
+        v, stream_constant = directions[k]
+        score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
+        biased.add(path)
+        score[:, -1] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
+        scores.append(score)
+    return scores
 
 
 def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
@@ -195,16 +296,9 @@ def direct_logit_attribution(
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         embed_direction, per_layer = term_directions(model, plan, direction)
         fit_errors: list[float] = []
-        scores = [_dot(layer_input(model, 0)[rows, positions].float(), embed_direction).unsqueeze(-1)]
+        scores = [_dot(_at(layer_input(model, 0), rows, positions), embed_direction).unsqueeze(-1)]
         for i, terms in enumerate(plan.layers):
-            layer = model.layers[i]
-            for planned, (v, stream_constant) in zip(terms, per_layer[i]):
-                if splits(planned, by):
-                    score = _split_scores(layer, planned, v, rows, positions, fit_errors)
-                    score[:, -1] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
-                else:
-                    score = _block_score(layer, planned, v, rows, positions)
-                    score[:, 0] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
+            for score in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
                 scores.append(score.to(scores[0].device))
         final: FrozenNorm = probe.freeze(model.ln_final.input[rows, positions], model.ln_final.output[rows, positions])
         fit_errors.append(final.fit_error)

@@ -578,8 +578,9 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     * constant c -> ``c * (1 + 0.3 * randn)`` (e.g. embedding normalizers, scalar buffers).
 
     Family specifics: decoder-layer ``layer_scalar`` buffers (Gemma 4) go to ``U[0.5, 1.5]``; DeepSeek-V4 hash
-    routing tables ``tid2eid`` get random expert ids (distinct per row); ZAYA ``qk_norm.temp`` (0 makes every key
-    zero) goes to ``1 + 0.3 * randn``.
+    routing tables ``tid2eid`` get random expert ids (distinct per row); DeepSeek-V4 hyper-connection biases
+    (``attn_hc.base``, ``ffn_hc.base``, ``hc_head.hc_base``) get ``randn`` so the stream mixing is far from uniform;
+    ZAYA ``qk_norm.temp`` (0 makes every key zero) goes to ``1 + 0.3 * randn``.
     """
     gen = torch.Generator().manual_seed(10_000 + seed)
 
@@ -605,6 +606,9 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
             continue
         if leaf == "layer_scalar":  # Gemma 4
             t.copy_((0.5 + torch.rand(t.shape, generator=gen)).to(t.dtype))
+            continue
+        if type(owner).__name__ in ("DeepseekV4HyperConnection", "DeepseekV4HyperHead") and leaf in ("base", "hc_base"):
+            t.copy_(randn(t))  # O(1) biases: the hyper-connection mixing must be far from uniform to show up
             continue
         if leaf == "temp" and type(owner).__name__ == "ZayaQKNorm":
             t.copy_(1.0 + 0.3 * randn(t))

