@@ -58,6 +58,12 @@ class Term:
         shared: experts split: the down projection of a dense shared expert added to the routed experts.
         shared_gate: experts split: ``sigmoid(shared_gate.output)`` multiplies the shared expert (Qwen2-MoE).
         shared_first: experts split: the shared expert runs before the routed experts (forward order of reads).
+        router: a top-k router whose output is ``(index_sorted_experts, batch_index, batch_gates, expert_size,
+            logits)`` and whose experts are grouped by expert (ScatterMoE layout: JetMoE's attention and MLP). Then
+            ``projection`` is the grouped output projection (``weight [E, d_model, in]``): its input rows are the
+            heads of each routed slot (``split="heads"``, slot ``s`` owns heads ``s * in/head_dim ...``) or each
+            routed expert's neurons (``split="experts"``).
+        projection_bias: a bias added once after ``projection`` (inside ``output``), when the projection has none.
     """
 
     name: str
@@ -76,6 +82,8 @@ class Term:
     shared: str | None = None
     shared_gate: str | None = None
     shared_first: bool = False
+    router: str | None = None
+    projection_bias: str | None = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +242,12 @@ FAMILIES: tuple[Family, ...] = (
         load_kwargs={"allow_multimodal": True},
         notes="Mamba-2 mixers; hybrid blocks feed a shared transformer's output into the mixer, whose output is the "
               "block's only write."),
+    Family("jetmoe", ("jetmoe",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.experts.output_linear",
+             router="self_attn.experts.router", projection_bias="self_attn.experts.bias"),
+        Term("mlp", "mlp.output", "experts", "mlp.output_linear", router="mlp.router", projection_bias="mlp.bias"),
+    )),), notes="mixture of attention (each token routes to top-k attention experts, each owning a group of heads) "
+                "and a mixture of experts MLP, both ScatterMoE-style grouped experts."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),

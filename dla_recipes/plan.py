@@ -146,14 +146,15 @@ def build_plan(model, family: Family | None = None) -> Plan:
     """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights)."""
     family = family or family_of(model)
     config = _config(model)
-    num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads"))
+    num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads", None) or 0)
     layers = []
     for i, layer in enumerate(model.layers):
         layer_module = layer._module
         planned = []
         for term in layer_terms(family, layer):
             for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
-                         term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate):
+                         term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
+                         term.projection_bias):
                 if path and path not in ("output", "input") and not _has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
@@ -164,7 +165,16 @@ def build_plan(model, family: Family | None = None) -> Plan:
                 multiplier = float(getattr(config, term.multiplier))
             parts = width = experts = expert_width = shared_width = 0
             transposed = False
-            if term.split == "experts":
+            if term.router is not None:  # grouped experts: weight [E, d_model, in]
+                module = module_at(layer, term.projection)._module
+                experts, in_features = int(module.weight.shape[0]), int(module.weight.shape[-1])
+                top_k = int(module_at(layer, term.router)._module.top_k)
+                if term.split == "heads":
+                    width = int(getattr(config, "kv_channels", None) or getattr(config, "head_dim"))
+                    parts = top_k * in_features // width
+                else:
+                    expert_width = in_features
+            elif term.split == "experts":
                 module = module_at(layer, term.projection)._module
                 experts, expert_width = int(module.down_proj.shape[0]), int(module.down_proj.shape[-1])
                 if term.shared is not None:

@@ -140,7 +140,9 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     if mode is None:
         data["value"] = _at(read_site(layer, term.output, batch), rows, positions)
         return data
-    if mode in ("heads", "neurons"):
+    if term.router is not None:
+        data.update(_read_routed(layer, term, rows, positions))
+    elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions)
     else:
         if term.shared is not None and term.shared_first:
@@ -156,6 +158,43 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     if term.post_norm is not None:
         data["post_norm"] = _frozen(module_at(layer, term.post_norm), rows, positions, batch)
     return data
+
+
+def _read_routed(layer, term, rows, positions) -> dict:
+    """The attributed tokens' rows of a grouped-experts projection's input, with their experts, gates and slots."""
+    router = module_at(layer, term.router)
+    sorted_experts, batch_index, gates, expert_size, _ = router.output
+    grouped, sizes = module_at(layer, term.projection).inputs[0][:2]  # (rows grouped by expert, rows per expert)
+    top_k = int(router._module.top_k)
+    seq = batch_index.numel() // (rows.shape[0] * top_k)
+    tokens = rows.to(batch_index.device) * seq + positions.to(batch_index.device)
+    order = torch.argsort(batch_index, stable=True).view(-1, top_k)[tokens]  # [batch, top_k] grouped rows
+    ends = torch.cumsum(torch.as_tensor(sizes, device=order.device), 0)
+    return {
+        "routed": grouped[order].float(),  # [batch, top_k, in]
+        "expert": torch.bucketize(order, ends, right=True),  # [batch, top_k]
+        "gate": gates[order].float(),
+        "slot": sorted_experts[order] % top_k,
+    }
+
+
+def _routed_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.Tensor) -> torch.Tensor:
+    """``[batch, parts]`` for grouped experts: per head of each routed slot, or per expert / expert neuron."""
+    weight = module_at(layer, planned.term.projection).weight  # [E, d_model, in]
+    batch, top_k, width = data["routed"].shape
+    per_input = torch.zeros(batch, top_k, width, device=u.device)
+    for slot in range(top_k):
+        columns = torch.einsum("bd,bdi->bi", u.to(weight.device), weight[data["expert"][:, slot]].float())
+        per_input[:, slot] = (data["gate"][:, slot, None] * data["routed"][:, slot] * columns.to(data["routed"].device)).to(u.device)
+    rows = torch.arange(batch)
+    if mode == "heads":  # slot s owns heads s * (in / head_dim) ... in its own slot order
+        heads = per_input.unflatten(-1, (-1, planned.part_width)).sum(-1)  # [batch, top_k, heads per slot]
+        out = torch.zeros(batch, top_k, heads.shape[-1], device=u.device)
+        out[rows[:, None], data["slot"].to(u.device)] = heads
+        return out.flatten(1)
+    out = torch.zeros(batch, planned.experts, width, device=u.device)
+    out[rows[:, None], data["expert"].to(u.device)] = per_input
+    return out.sum(-1) if mode == "experts" else out.flatten(1)
 
 
 def _linear_pullback(module, u: torch.Tensor, transposed: bool):
@@ -215,7 +254,10 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     if "post_norm" in data:
         rest = rest + _dot(u, data["post_norm"].bias)
         u = data["post_norm"].transpose(u)
-    if mode in ("heads", "neurons"):
+    if term.router is not None:
+        parts = _routed_scores(layer, planned, mode, data, u)
+        rest = rest + _dot(u, _param(layer, term.projection_bias)) if term.projection_bias else rest
+    elif mode in ("heads", "neurons"):
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
         parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias

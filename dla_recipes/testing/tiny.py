@@ -22,7 +22,6 @@ Public API::
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -571,11 +570,14 @@ def build(family: str, seed: int = 0, *, perturbed: bool = True) -> "transformer
 def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     """Move every constant parameter / floating buffer of ``model`` to random values, in place; return ``model``.
 
-    Generic rule, applied to every floating tensor whose elements are all equal (and to every scalar):
+    Generic rule, applied to every floating parameter / persistent buffer whose elements are all equal (and to
+    every scalar); non-persistent buffers (Gemma ``embed_scale``, RecurrentGemma ``normalizer``, rotary tables) are
+    architecture constants rebuilt on load and are left alone, so ``save_pretrained`` / ``from_pretrained`` round-trip
+    the perturbed model exactly:
 
     * all zeros  -> ``0.1 * randn`` (biases, zero-init gates, ``1 + w`` norm weights get ``0.3 * randn``);
     * all ones   -> ``1 + 0.3 * randn`` (norm gains, residual scales, router scales);
-    * constant c -> ``c * (1 + 0.3 * randn)`` (e.g. embedding normalizers, scalar buffers).
+    * constant c -> ``c * (1 + 0.3 * randn)`` (e.g. scalar parameters such as xIELU's ``alpha_p``).
 
     Family specifics: decoder-layer ``layer_scalar`` buffers (Gemma 4) go to ``U[0.5, 1.5]``; DeepSeek-V4 hash
     routing tables ``tid2eid`` get random expert ids (distinct per row); DeepSeek-V4 hyper-connection biases
@@ -591,7 +593,7 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     seen: set[int] = set()
     tensors = [(n, p, True) for n, p in model.named_parameters(remove_duplicate=True)]
     tensors += [(n, b, False) for n, b in model.named_buffers(remove_duplicate=True)]
-    for name, t, _is_param in tensors:
+    for name, t, _ in tensors:
         if id(t) in seen or t.numel() == 0:
             continue
         seen.add(id(t))
@@ -603,6 +605,10 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
             t.copy_(rows.to(t.dtype))
             continue
         if not t.is_floating_point():
+            continue
+        if leaf in getattr(owner, "_non_persistent_buffers_set", ()):
+            # fixed by the architecture and rebuilt on load (Gemma `embed_scale`, RecurrentGemma `normalizer`,
+            # rotary tables): perturbing them would not survive save_pretrained / from_pretrained
             continue
         if leaf == "layer_scalar":  # Gemma 4
             t.copy_((0.5 + torch.rand(t.shape, generator=gen)).to(t.dtype))
@@ -637,7 +643,20 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def load_kwargs(family: str) -> dict:
-    """Extra keyword arguments ``nnterp.StandardizedTransformer(model, tokenizer=..., **kwargs)`` needs."""
+    """Extra keyword arguments ``nnterp.StandardizedTransformer(model, tokenizer=..., **kwargs)`` needs.
+
+    Without them (nnterp 1.3.0, transformers 5.24):
+
+    * phi, recurrent_gemma: ``RenamingError: Could not find ln_final module`` (``final_layernorm`` / ``final_norm``
+      are not in nnterp's list); recurrent_gemma's blocks are ``temporal_block`` / ``mlp_block``.
+    * zamba2: ``RenamingError: ... heterogeneous layer types: Zamba2HybridLayer, Zamba2MambaDecoderLayer``; the
+      only residual write of every layer is its Mamba-2 mixer (``layers[i].mamba`` on Mamba layers,
+      ``layers[i].mamba_decoder.mamba`` on hybrid ones), exposed as ``self_attn`` through two rename keys (the
+      dotted one is needed: nnterp only checks layer 0, so ``"mamba"`` alone loads but leaves hybrid layers without
+      ``self_attn``); no MLP writes to the stream.
+    * deepseek_v4: ``RenamingError: Could not check the IO ... layers_input[0] has shape [1, 3, hc, d] != (1, 3, d)``
+      (the residual stream is ``[batch, pos, hc_mult, hidden]``); the accessors still work unchecked.
+    """
     from nnterp.rename_utils import RenameConfig
 
     _check(family)
@@ -660,7 +679,12 @@ def load_kwargs(family: str) -> dict:
 
 
 def standardized(family: str, seed: int = 0, **kwargs):
-    """``build(family, seed)`` loaded as an ``nnterp.StandardizedTransformer`` on CPU with ``tokenizer(VOCAB)``."""
+    """``build(family, seed)`` loaded as an ``nnterp.StandardizedTransformer`` on CPU with its tokenizer.
+
+    ``kwargs`` override / extend ``load_kwargs(family)``. MoE families with fused experts log a long
+    ``aten._grouped_mm`` traceback on CPU float32 while nnterp checks the renaming (its ``scan`` fails on the
+    default ``grouped_mm`` experts kernel and falls back to ``trace``); the model is fine.
+    """
     from nnterp import StandardizedTransformer
 
     model = build(family, seed)
