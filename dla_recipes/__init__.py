@@ -10,7 +10,7 @@ must come before the first ``import nnterp``.
 """
 
 from . import _compat  # noqa: F401  (must run before anything imports nnterp)
-from .api import attribute, load
+from .api import attribute, attribute_direction, load
 from .attribution import Attribution
 from .errors import DLAError, ExactnessError, FamilyTableError, InputError, RemoteError, UnknownFamilyError
 from .families import FAMILIES, Family, LayerKind, Term, family_of
@@ -25,11 +25,11 @@ from .readers import (
     neuron_activations,
     term_output,
 )
-from .recipe import Readout, direct_logit_attribution
+from .recipe import Readout, decompose, direct_logit_attribution, direction_attribution
 
 __all__ = [
-    "attribute", "load", "Attribution",
-    "direct_logit_attribution", "Readout", "build_plan", "Plan",
+    "attribute", "attribute_direction", "load", "Attribution",
+    "direct_logit_attribution", "direction_attribution", "decompose", "Readout", "build_plan", "Plan",
     "FrozenNorm", "NormProbe", "probe_norm",
     "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
     "layer_output", "term_output",

@@ -8,6 +8,7 @@ a wrong answer.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import nnsight
@@ -19,7 +20,7 @@ from .errors import DLAError, ExactnessError, InputError, RemoteError
 from .families import family_of
 from .inputs import per_prompt, prepare
 from .plan import Granularity, build_plan, check_granularity
-from .recipe import Readout, direct_logit_attribution
+from .recipe import Readout, direct_logit_attribution, direction_attribution
 
 # Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -120,19 +121,19 @@ def remote_error(error: BaseException, remote) -> RemoteError:
     return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
 
 
-def run_trace(model, plan, batch, by: Granularity, remote=False) -> Readout:
-    """One trace running the recipe on ``batch``; ``remote``: False, True (NDIF) or a server URL.
+def run_trace(model, batch, recipe, args: tuple, remote=False) -> Readout:
+    """One trace of ``batch`` running ``recipe(model, *args)`` (an in-trace function returning a ``Readout``).
 
-    Remotely, the recipe runs server side and one ``[batch, n_components + 5]`` tensor comes back.
+    ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
+    ``[batch, n_components + 6]`` tensor comes back.
     """
     trace_kwargs = {}
     if remote:
         _register_for_remote()
         trace_kwargs["remote"] = remote
-    positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
     try:
         with model.trace(dict(batch.encoding), **trace_kwargs):
-            packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
+            packed = recipe(model, *args).pack()
             packed = nnsight.save(packed)
     except Exception as error:
         if not remote or isinstance(error, DLAError):
@@ -144,6 +145,59 @@ def run_trace(model, plan, batch, by: Granularity, remote=False) -> Readout:
 def _chunks(n: int, size: int | None) -> list[slice]:
     size = n if not size else max(1, int(size))
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _prompts(prompts) -> list[str]:
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise InputError("no prompts given: pass a string or a non-empty list of strings")
+    return prompts
+
+
+def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None) -> Attribution:
+    """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label."""
+    if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
+        warnings.warn(
+            f"{plan.family.name}: left padding changes this family's outputs (its recurrent state or routing reads "
+            "the pad tokens), so a padded prompt is attributed as the padded batch computes it; attribute prompts "
+            "of different lengths one at a time (batch_size=1) to get each prompt's own logits",
+            stacklevel=3,
+        )
+    show = progress if progress is not None else len(batches) > 1
+    if show:
+        from tqdm.auto import tqdm
+
+        batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
+    else:
+        batches_iter = batches
+    readouts = [run_trace(model, batch, recipe, make_args(batch), remote) for batch in batches_iter]
+    readout = Readout(
+        **{name: torch.cat([getattr(r, name) for r in readouts]).float()
+           for name in ("values", "constant", "logit", "output_logit", "scale")},
+        head_error=torch.stack([r.head_error for r in readouts]).max(),
+        norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
+    )
+    error = check_exact(readout, plan, by, model, tolerance)
+    contrast_tokens = [b.contrast_tokens for b in batches]
+    return Attribution(
+        values=readout.values,
+        labels=plan.labels(by, stop),
+        constant=readout.constant,
+        logit=readout.logit,
+        output_logit=readout.output_logit,
+        error=error,
+        prompts=sum((b.prompts for b in batches), ()),
+        target_tokens=sum((b.target_tokens for b in batches), ()),
+        contrast_tokens=None if contrast_tokens[0] is None else sum(contrast_tokens, ()),
+        positions=sum((b.own_positions for b in batches), ()),
+        by=by,
+        family=plan.family.name,
+        diagnostics={
+            "norm_fit_error": float(readout.norm_fit_error),
+            "head_error": float(readout.head_error),
+            "scale": readout.scale,
+        },
+    )
 
 
 def attribute(
@@ -167,7 +221,8 @@ def attribute(
         target, contrast: a token string (``" Paris"``) or id; one for all prompts or one per prompt.
         position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
             never shifts it.
-        by: ``"block"`` (embed, then each block's attention and MLP), ``"head"`` or ``"neuron"``.
+        by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
+            of every routed expert) or ``"expert"`` (one component per routed expert).
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
@@ -179,9 +234,7 @@ def attribute(
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
     check_granularity(by)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise InputError("no prompts given: pass a string or a non-empty list of strings")
+    prompts = _prompts(prompts)
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
@@ -189,37 +242,62 @@ def attribute(
         prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
         for c in _chunks(len(prompts), batch_size)
     ]
-    show = progress if progress is not None else len(batches) > 1
-    if show:
-        from tqdm.auto import tqdm
-
-        batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
-    else:
-        batches_iter = batches
-    readouts = [run_trace(model, plan, batch, by, remote) for batch in batches_iter]
-    readout = Readout(
-        values=torch.cat([r.values for r in readouts]).float(),
-        constant=torch.cat([r.constant for r in readouts]).float(),
-        logit=torch.cat([r.logit for r in readouts]).float(),
-        output_logit=torch.cat([r.output_logit for r in readouts]).float(),
-        head_error=torch.stack([r.head_error for r in readouts]).max(),
-        norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
+    return _run_batches(
+        model, plan, batches, direct_logit_attribution,
+        lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
     )
-    error = check_exact(readout, plan, by, model, tolerance)
-    return Attribution(
-        values=readout.values,
-        labels=plan.labels(by),
-        constant=readout.constant,
-        logit=readout.logit,
-        output_logit=readout.output_logit,
-        error=error,
-        prompts=sum((b.prompts for b in batches), ()),
-        target_tokens=sum((b.target_tokens for b in batches), ()),
-        contrast_tokens=None if contrast is None else sum((b.contrast_tokens for b in batches), ()),
-        positions=sum((b.own_positions for b in batches), ()),
-        by=by,
-        family=plan.family.name,
-        diagnostics={"norm_fit_error": float(readout.norm_fit_error), "head_error": float(readout.head_error)},
+
+
+def attribute_direction(
+    model,
+    prompts: str | Sequence[str],
+    direction: torch.Tensor,
+    *,
+    layer: int,
+    sublayer: str = "mlp",
+    position: int = -1,
+    by: Granularity = "block",
+    remote=False,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    tolerance: float | None = None,
+) -> Attribution:
+    """Attribute ``norm(stream) @ direction`` where ``norm`` is the norm in front of block ``layer``'s ``sublayer``.
+
+    The stream that sublayer reads is decomposed into the terms written before it (the embedding, every earlier
+    block's terms, and this block's earlier terms unless the block is parallel), the norm that really reads it is
+    frozen at that stream, and the parts sum to the model's own ``norm(stream) @ direction``, read from the norm's
+    output in the same trace. Every row is read through that one norm's frozen scale.
+
+    Args:
+        direction: ``[d_model]`` or ``[batch, d_model]``: a direction on the norm's output (a probe, a query
+            direction, a difference of means).
+        layer, sublayer: the block and its sublayer (``"attn"``, ``"mlp"``, ...; names as in the labels) whose
+            norm reads the stream: ``sublayer="mlp"`` is ``ln2`` / ``post_attention_layernorm``.
+        Others as in ``attribute``.
+
+    Returns:
+        An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
+    """
+    check_granularity(by)
+    prompts = _prompts(prompts)
+    plan = build_plan(model)
+    stop = plan.stop_before(layer, sublayer)
+    reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads
+    direction = torch.as_tensor(direction).float()
+    width = int(model.lm_head.weight.shape[-1])
+    if direction.shape[-1] != width or direction.dim() not in (1, 2):
+        raise InputError(f"direction has shape {tuple(direction.shape)}: give [d_model={width}] or [batch, {width}]")
+    if direction.dim() == 2 and direction.shape[0] != len(prompts):
+        raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
+    directions = direction.expand(len(prompts), -1)
+    chunks = _chunks(len(prompts), batch_size)
+    batches = [prepare(model, prompts[c], 0, None, position) for c in chunks]
+    chunk_of = {id(b): c for b, c in zip(batches, chunks)}
+    return _run_batches(
+        model, plan, batches, direction_attribution,
+        lambda b: (plan, b.positions, directions[chunk_of[id(b)]], stop, reads, by), by, remote, progress, tolerance,
+        stop=stop,
     )
 
 

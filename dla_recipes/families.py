@@ -23,7 +23,9 @@ test suite then checks it for exactness against the model's own logits at every 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
+
+import torch
 
 from .errors import UnknownFamilyError
 
@@ -64,6 +66,14 @@ class Term:
             heads of each routed slot (``split="heads"``, slot ``s`` owns heads ``s * in/head_dim ...``) or each
             routed expert's neurons (``split="experts"``).
         projection_bias: a bias added once after ``projection`` (inside ``output``), when the projection has none.
+        reads: the norm whose input is the stream this term's sublayer reads (``input_layernorm``, ``ln_2``, ...):
+            what ``attribute_direction`` freezes to attribute a direction read at this sublayer.
+        parallel: the sublayer reads the same stream as the term before it (a parallel block); a config
+            attribute name (``"use_parallel_residual"``) when the family has both kinds.
+        then: a second linear map after ``projection`` (DeepSeek-V4's ``o_b_proj`` after the grouped ``o_a_proj``).
+        hyper: on a family with parallel residual streams, the hyper-connection run before this term's sublayer:
+            its output is ``(post [b, s, streams], comb [b, s, streams, streams], collapsed)``; the streams become
+            ``combᵀ streams`` and the term is written into stream ``k`` times ``post[k]``.
     """
 
     name: str
@@ -84,6 +94,10 @@ class Term:
     shared_first: bool = False
     router: str | None = None
     projection_bias: str | None = None
+    reads: str | None = None
+    parallel: bool | str = False
+    then: str | None = None
+    hyper: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,12 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class Family:
-    """Everything dla_recipes knows about one decoder family. See the module docstring."""
+    """Everything dla_recipes knows about one decoder family. See the module docstring.
+
+    ``collapse`` / ``collapse_weights``: on a family with parallel residual streams, the module (a path from the
+    model root) that collapses the streams ``[b, s, streams, d]`` into the final norm's input, and the function
+    ``(module, streams [b, streams, d]) -> weights [b, streams]`` giving the collapse's per-stream weights.
+    """
 
     name: str
     model_types: tuple[str, ...]
@@ -105,6 +124,9 @@ class Family:
     logits_times: str | None = None
     logits_over: str | None = None
     softcap: str | None = None
+    collapse: str | None = None
+    collapse_weights: Callable | None = None
+    padding_safe: bool = True  # left padding leaves a prompt's logits unchanged (False: recurrent state reads pads)
     rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
@@ -124,32 +146,43 @@ def _sequential(
     attn_post: str | None = None,
     mlp_post: str | None = None,
     multiplier: str | None = None,
-    attn: str = "self_attn",
-    mlp: str = "mlp",
+    reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
+    parallel: bool | str = False,
 ) -> tuple[LayerKind, ...]:
     """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
-    attn_out = f"{attn_post}.output" if attn_post else f"{attn}.output"
-    mlp_out = f"{mlp_post}.output" if mlp_post else f"{mlp}.output"
+    attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
+    mlp_out = f"{mlp_post}.output" if mlp_post else "mlp.output"
     return (
         LayerKind(
             (
-                Term("attn", attn_out, "heads", f"{attn}.{attn_proj}", post_norm=attn_post, multiplier=multiplier),
-                Term("mlp", mlp_out, "neurons", f"{mlp}.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier),
+                Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
+                     reads=reads[0]),
+                Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
+                     reads=reads[1], parallel=parallel),
             )
         ),
     )
 
 
 LLAMA_LIKE = _sequential()
-ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj")
-DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj")
-ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts")  # a fused mixture of experts, no shared expert
+ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")
+DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
+ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
+
+def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(rmsnorm(flat)) * scale + base) + eps``,
+    computed with the module's own norm and parameters from the streams it reads ``[batch, streams, d_model]``."""
+    flat = head.input_norm(streams.flatten(-2).float())
+    mixes = flat @ head.hc_fn.float().T
+    return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
 
 # --- the table ---------------------------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
     # Pre-norm blocks whose modules' outputs are what the block adds.
-    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj"), notes="Conv1D weights; learned positions in embed."),
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2")),
+           notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
     Family("qwen2", ("qwen2",), LLAMA_LIKE),
@@ -158,24 +191,34 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
     Family("phi3", ("phi3",), LLAMA_LIKE, notes="fused qkv_proj and gate_up_proj."),
     Family("smollm3", ("smollm3",), LLAMA_LIKE),
-    Family("apertus", ("apertus",), LLAMA_LIKE, notes="xIELU MLP without a gate."),
+    Family("apertus", ("apertus",), _sequential(reads=("attention_layernorm", "feedforward_layernorm")),
+           notes="xIELU MLP without a gate."),
     # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
-    Family("gptj", ("gptj",), _sequential("out_proj", "fc_out"), notes="parallel block; lm_head has a bias."),
-    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h"), notes="parallel or sequential."),
-    Family("phi", ("phi",), _sequential("dense", "fc2"), rename={"ln_final_name": "final_layernorm"},
+    Family("gptj", ("gptj",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
+           notes="parallel block; lm_head has a bias."),
+    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual"),
+           notes="parallel (use_parallel_residual) or sequential."),
+    Family("phi", ("phi",), _sequential("dense", "fc2", reads=("input_layernorm", "input_layernorm"), parallel=True),
+           rename={"ln_final_name": "final_layernorm"},
            notes="parallel block; lm_head has a bias; nnterp needs the final norm's name."),
-    Family("cohere", ("cohere",), LLAMA_LIKE, logits_times="logit_scale",
-           notes="parallel block; weight-only LayerNorm; logits times logit_scale."),
+    Family("cohere", ("cohere",), _sequential(reads=("input_layernorm", "input_layernorm"), parallel=True),
+           logits_times="logit_scale", notes="parallel block; weight-only LayerNorm; logits times logit_scale."),
     # Sandwich and post-norm blocks: what is added is a post-norm's output.
-    Family("gemma2", ("gemma2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+    Family("gemma2", ("gemma2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                                              reads=("input_layernorm", "pre_feedforward_layernorm")),
            softcap="final_logit_softcapping", notes="sandwich norms; final logits soft-capped."),
-    Family("gemma3", ("gemma3_text", "gemma3"), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+    Family("gemma3", ("gemma3_text", "gemma3"), _sequential(attn_post="post_attention_layernorm",
+                                                            mlp_post="post_feedforward_layernorm",
+                                                            reads=("input_layernorm", "pre_feedforward_layernorm")),
            softcap="final_logit_softcapping", notes="sandwich norms."),
-    Family("olmo2", ("olmo2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+    Family("olmo2", ("olmo2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                                            reads=(None, None)),
            notes="post-norm only."),
-    Family("olmo3", ("olmo3",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+    Family("olmo3", ("olmo3",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                                            reads=(None, None)),
            notes="post-norm only."),
-    Family("exaone4", ("exaone4",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm"),
+    Family("exaone4", ("exaone4",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                                            reads=(None, None)),
            notes="post-norm only."),
     Family("glm4", ("glm4",), _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm"),
            notes="sandwich norms."),
@@ -184,85 +227,115 @@ FAMILIES: tuple[Family, ...] = (
     Family("olmoe", ("olmoe",), (LayerKind((ATTENTION, ROUTED)),)),
     Family("qwen2_moe", ("qwen2_moe",), (LayerKind((ATTENTION, Term(
         "mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
-        shared_gate="mlp.shared_expert_gate", shared_first=True))),),
+        shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"))),),
         notes="a shared expert gated by sigmoid(shared_expert_gate), run before the routed experts."),
     Family("deepseek_v3", ("deepseek_v3",), (
-        LayerKind((ATTENTION, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj")),
+        LayerKind((ATTENTION, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+                                   reads="post_attention_layernorm")),
                   when="mlp.experts"),
         LayerKind((ATTENTION, DENSE_MLP)),
     ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual"),
-        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual"),
+        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual",
+             reads="input_layernorm"),
+        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual",
+             reads="post_attention_layernorm"),
     )),), notes="per-channel residual gates: mid = input_residual * x + attn; out = post_attention_residual * mid + mlp."),
     Family("zaya", ("zaya",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.o_proj",
              scale="post_attention_residual_scale.hidden_states_scale",
              bias="post_attention_residual_scale.hidden_states_bias",
              stream_scale="post_attention_residual_scale.residual_scale",
-             stream_bias="post_attention_residual_scale.residual_bias"),
+             stream_bias="post_attention_residual_scale.residual_bias", reads="input_layernorm"),
         Term("mlp", "mlp.output", "experts", "mlp.experts",
              scale="post_mlp_residual_scale.hidden_states_scale",
              bias="post_mlp_residual_scale.hidden_states_bias",
              stream_scale="post_mlp_residual_scale.residual_scale",
-             stream_bias="post_mlp_residual_scale.residual_bias"),
+             stream_bias="post_mlp_residual_scale.residual_bias", reads="post_attention_layernorm"),
     )),), notes="each merge is (h + hb) * hs + (stream + rb) * rs (ZayaResidualScaling); MoE MLP."),
     Family("gemma4", ("gemma4_text", "gemma4"), (
         LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
+                 reads="input_layernorm"),
             Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
-                 post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm"),
+                 post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
+                 reads="pre_feedforward_layernorm"),
             Term("experts", "post_feedforward_layernorm_2.output", "experts", "experts",
-                 post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm"),
+                 post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm",
+                 reads="pre_feedforward_layernorm_2", parallel=True),
         ), when="experts"),
         LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
-            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm"),
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
+                 reads="input_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
+                 reads="pre_feedforward_layernorm"),
             Term("ple", "post_per_layer_input_norm.output"),
         ), when="per_layer_input_gate"),
         LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
-            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm"),
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
+                 reads="input_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
+                 reads="pre_feedforward_layernorm"),
         )),
     ), layer_scale="layer_scalar", softcap="final_logit_softcapping",
         notes="sandwich norms; a per-layer-input branch (ple); the whole stream times layer_scalar after each block; "
               "the MoE variant adds experts beside the MLP, both under post_feedforward_layernorm."),
     # Hybrids: recurrent mixers beside (or instead of) attention.
     Family("recurrent_gemma", ("recurrent_gemma",), (
-        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj"), DENSE_MLP), when="self_attn.o_proj"),
-        LayerKind((Term("mixer", "self_attn.output"), DENSE_MLP)),
-    ), softcap="logits_soft_cap",
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="temporal_pre_norm"),
+                   Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="channel_pre_norm")), when="self_attn.o_proj"),
+        LayerKind((Term("mixer", "self_attn.output", reads="temporal_pre_norm"),
+                   Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="channel_pre_norm"))),
+    ), softcap="logits_soft_cap", padding_safe=False,
         rename={"ln_final_name": "final_norm", "attn_name": "temporal_block", "mlp_name": "mlp_block"},
         notes="local attention and RG-LRU blocks (temporal_block); embedding times a bfloat16 normalizer; logits soft-capped."),
     Family("zamba2", ("zamba2",), (
         LayerKind((Term("mixer", "mamba_decoder.mamba.output"),), when="mamba_decoder"),
-        LayerKind((Term("mixer", "mamba.output"),)),
+        LayerKind((Term("mixer", "mamba.output", reads="input_layernorm"),)),
     ), rename={"attn_name": ["mamba", "mamba_decoder.mamba"], "ln_final_name": "final_layernorm", "ignore_mlp": True},
         load_kwargs={"allow_multimodal": True},
         notes="Mamba-2 mixers; hybrid blocks feed a shared transformer's output into the mixer, whose output is the "
               "block's only write."),
     Family("jetmoe", ("jetmoe",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.experts.output_linear",
-             router="self_attn.experts.router", projection_bias="self_attn.experts.bias"),
-        Term("mlp", "mlp.output", "experts", "mlp.output_linear", router="mlp.router", projection_bias="mlp.bias"),
+             router="self_attn.experts.router", projection_bias="self_attn.experts.bias", reads="input_layernorm"),
+        Term("mlp", "mlp.output", "experts", "mlp.output_linear", router="mlp.router", projection_bias="mlp.bias",
+             reads="post_attention_layernorm"),
     )),), notes="mixture of attention (each token routes to top-k attention experts, each owning a group of heads) "
                 "and a mixture of experts MLP, both ScatterMoE-style grouped experts."),
+    Family("deepseek_v4", ("deepseek_v4",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.o_a_proj", then="self_attn.o_b_proj", hyper="attn_hc"),
+        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", hyper="ffn_hc"),
+    )),), collapse="model.hc_head", collapse_weights=hyper_head_weights, load_kwargs={"check_renaming": False},
+        padding_safe=False,
+        notes="hc_mult parallel residual streams mixed by input-dependent hyper-connections (post, comb) and "
+              "collapsed by hc_head; grouped low-rank output projection (o_a_proj, then o_b_proj); clamped-SwiGLU experts."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
     # Modules that add the residual inside themselves, in-place adds, sublayers outside a module.
     Family("bloom", ("bloom",), (LayerKind((
-        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense"),
-        Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h"),
+        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm"),
+        Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
     )),), notes="modules add the residual inside: the terms are the dense projections' outputs."),
-    Family("falcon", ("falcon",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.dense"),
-        Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True),
-    )),), notes="parallel: the block adds the attention output into the MLP output in place."),
+    Family("falcon", ("falcon",), (
+        LayerKind((  # new decoder architecture, two norms
+            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="ln_attn"),
+            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True, reads="ln_mlp", parallel=True),
+        ), when="ln_mlp"),
+        LayerKind((  # sequential (parallel_attn=False)
+            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
+        ), when="post_attention_layernorm"),
+        LayerKind((  # parallel, one norm
+            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True, reads="input_layernorm", parallel=True),
+        )),
+    ), notes="parallel: the block adds the attention output into the MLP output in place (the MLP term is a copy)."),
     Family("opt", ("opt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.out_proj"),
-        Term("mlp", "fc2.output", "neurons", "fc2", flat=True),
+        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
+        Term("mlp", "fc2.output", "neurons", "fc2", flat=True, reads="final_layer_norm"),
     )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
 )
 

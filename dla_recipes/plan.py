@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FamilyTableError
+from .errors import FamilyTableError, InputError
 from .families import Family, Term, family_of
 
 Granularity = str  # "block" | "head" | "neuron" | "expert"
+Stop = tuple  # (layer, number of that block's terms already added): a point in the residual stream
 GRANULARITIES = ("block", "head", "neuron", "expert")
 
 
@@ -32,6 +33,7 @@ class PlannedTerm:
         transposed: the projection stores its weight ``[in, out]`` (GPT-2's ``Conv1D``) rather than ``[out, in]``.
         experts, expert_width: experts split: the number of routed experts and each one's neurons.
         shared_width: experts split: the shared expert's neurons (0: none).
+        parallel: the sublayer reads the same stream as the term before it (``Term.parallel`` resolved).
     """
 
     term: Term
@@ -42,6 +44,7 @@ class PlannedTerm:
     experts: int = 0
     expert_width: int = 0
     shared_width: int = 0
+    parallel: bool = False
 
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
@@ -82,15 +85,41 @@ class Plan:
     softcap: float | None
     num_heads: int
 
-    def labels(self, by: Granularity = "block") -> list[str]:
+    def labels(self, by: Granularity = "block", stop: "Stop | None" = None) -> list[str]:
         """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` /
-        ``L3.E2`` / ``L3.E2.N17`` when split; a split term keeps its block label for its rest)."""
+        ``L3.E2`` / ``L3.E2.N17`` when split; a split term keeps its block label for its rest). With ``stop``,
+        only the terms written before it."""
         check_granularity(by)
         labels = ["embed"]
-        for i, terms in enumerate(self.layers):
+        for i, terms in enumerate(self.terms_before(stop)):
             for planned in terms:
                 labels.extend(planned.labels(i, by))
         return labels
+
+    def terms_before(self, stop: "Stop | None") -> list[tuple[PlannedTerm, ...]]:
+        """Each block's terms written before ``stop`` (all of them when ``stop`` is None)."""
+        if stop is None:
+            return list(self.layers)
+        layer, count = stop
+        return list(self.layers[:layer]) + ([self.layers[layer][:count]] if count else [])
+
+    def stop_before(self, layer: int, sublayer: str) -> "Stop":
+        """The point where block ``layer``'s ``sublayer`` reads the stream: ``(layer, terms of it already added)``."""
+        if not -len(self.layers) <= layer < len(self.layers):
+            raise InputError(f"layer {layer} is outside this {len(self.layers)}-block model")
+        layer %= len(self.layers)
+        names = [planned.term.name for planned in self.layers[layer]]
+        if sublayer not in names:
+            raise InputError(f"block {layer} has no {sublayer!r} sublayer (it has {', '.join(names)})")
+        k = names.index(sublayer)
+        if self.layers[layer][k].term.reads is None:
+            raise InputError(
+                f"block {layer}'s {sublayer!r} reads the stream without a norm in front of it ({self.family.name}): "
+                "there is no norm to attribute a direction through"
+            )
+        while k > 0 and self.layers[layer][k].parallel:  # a parallel sublayer reads the stream its neighbour reads
+            k -= 1
+        return (layer, k)
 
 
 def check_granularity(by: str) -> None:
@@ -154,7 +183,7 @@ def build_plan(model, family: Family | None = None) -> Plan:
         for term in layer_terms(family, layer):
             for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
                          term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
-                         term.projection_bias):
+                         term.projection_bias, term.reads, term.then, term.hyper):
                 if path and path not in ("output", "input") and not _has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
@@ -180,7 +209,9 @@ def build_plan(model, family: Family | None = None) -> Plan:
                 if term.shared is not None:
                     shared_width = _linear_shape(module_at(layer, term.shared)._module)[0]
             elif term.split is not None and term.projection is not None:
-                in_features, _, transposed = _linear_shape(module_at(layer, term.projection)._module)
+                module = module_at(layer, term.projection)._module
+                in_features, _, transposed = _linear_shape(module)
+                in_features *= int(getattr(module, "n_groups", 1))  # a grouped projection reads every group
                 if term.split == "heads":
                     if in_features % num_heads:
                         raise FamilyTableError(
@@ -190,7 +221,10 @@ def build_plan(model, family: Family | None = None) -> Plan:
                     parts, width = num_heads, in_features // num_heads
                 else:
                     parts, width = in_features, 1
-            planned.append(PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width))
+            parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
+            planned.append(
+                PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel)
+            )
         layers.append(tuple(planned))
     logit_scale = 1.0
     if family.logits_times is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
-from .plan import Granularity, Plan, PlannedTerm, check_granularity, module_at
+from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
 from .readers import layer_input, read_site
 
 
@@ -46,6 +46,7 @@ class Readout:
         head_error: ``[]`` max |head(lm_head output) - output logits| at the attributed tokens: checks the family
             table's final head (logit scale, soft-cap).
         norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms).
+        scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
     """
 
     values: torch.Tensor
@@ -54,11 +55,12 @@ class Readout:
     output_logit: torch.Tensor
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
+    scale: torch.Tensor
 
-    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error")
+    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale")
 
     def pack(self) -> torch.Tensor:
-        """``[batch, n_components + 5]`` float32: everything in one tensor, the cheapest thing to send back."""
+        """``[batch, n_components + 6]`` float32: everything in one tensor, the cheapest thing to send back."""
         batch = self.values.shape[0]
         extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self._SCALARS]
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
@@ -82,21 +84,24 @@ def _param(layer, path: str) -> torch.Tensor:
     return module_at(layer, path).float()
 
 
-def term_directions(model, plan: Plan, direction: torch.Tensor):
-    """Pull the final-stream ``direction`` ``[batch, d_model]`` back to every term's write.
+def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | None = None):
+    """Pull ``direction`` ``[batch, d_model]`` on the stream at ``stop`` (None: the final norm's input) back to
+    every term written before it.
 
     Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant)`` for term ``k``
     of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, and ``constant``
     ``[batch]`` is what a stream bias added with it (ZAYA's residual bias) contributes.
     """
     v = direction
-    per_layer: list[list[tuple[torch.Tensor, torch.Tensor | float]]] = [[] for _ in plan.layers]
-    for i in reversed(range(len(plan.layers))):
+    blocks = plan.terms_before(stop)
+    per_layer: list[list[tuple[torch.Tensor, torch.Tensor | float]]] = [[] for _ in blocks]
+    for i in reversed(range(len(blocks))):
         layer = model.layers[i]
-        if plan.family.layer_scale is not None:
+        whole = len(blocks[i]) == len(plan.layers[i]) and (stop is None or i < stop[0])
+        if plan.family.layer_scale is not None and whole:
             v = v * _param(layer, plan.family.layer_scale).to(v.device)
         entries = []
-        for planned in reversed(plan.layers[i]):
+        for planned in reversed(blocks[i]):
             term = planned.term
             constant: torch.Tensor | float = 0.0
             if term.stream_scale is not None:
@@ -137,13 +142,16 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``)."""
     term, batch = planned.term, rows.shape[0]
     data: dict = {}
+    if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
+        post, comb = module_at(layer, term.hyper).output[:2]
+        data["hyper"] = (_at(post, rows, positions), _at(comb, rows, positions))
     if mode is None:
         data["value"] = _at(read_site(layer, term.output, batch), rows, positions)
         return data
     if term.router is not None:
         data.update(_read_routed(layer, term, rows, positions))
     elif mode in ("heads", "neurons"):
-        data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions)
+        data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -198,12 +206,20 @@ def _routed_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
 
 
 def _linear_pullback(module, u: torch.Tensor, transposed: bool):
-    """``(W^T u [batch, in_features], bias . u [batch] or 0.0)`` for an ``nn.Linear`` (or ``Conv1D`` if transposed)."""
+    """``(W^T u [batch, in_features], bias . u [batch] or 0.0)`` for an ``nn.Linear`` (or ``Conv1D`` if transposed).
+
+    A grouped projection (``n_groups`` blocks on the diagonal, each ``[out / G, in]``) pulls each group's slice of
+    ``u`` back through its own block: ``[batch, G * in]``.
+    """
     weight = module.weight.float()
     u = u.to(weight.device)
-    pulled = u @ weight.T if transposed else u @ weight
     bias = getattr(module, "bias", None)
-    return pulled, (_dot(u, bias.float()) if bias is not None else 0.0)
+    constant = _dot(u, bias.float()) if bias is not None else 0.0
+    groups = getattr(module._module, "n_groups", None) if hasattr(module, "_module") else None
+    if groups:
+        blocks = weight.view(groups, -1, weight.shape[-1])  # [G, out / G, in]
+        return torch.einsum("bgo,goi->bgi", u.view(u.shape[0], groups, -1), blocks).flatten(1), constant
+    return (u @ weight.T if transposed else u @ weight), constant
 
 
 def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.Tensor):
@@ -258,6 +274,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
         parts = _routed_scores(layer, planned, mode, data, u)
         rest = rest + _dot(u, _param(layer, term.projection_bias)) if term.projection_bias else rest
     elif mode in ("heads", "neurons"):
+        if term.then is not None:  # a second map after the projection: pull u back through it first
+            u, then_bias = _linear_pullback(module_at(layer, term.then), u, False)
+            rest = rest + then_bias
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
         parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
@@ -269,7 +288,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
-    """``[batch, n]`` scores of one block's terms: all its reads first, in forward order, then the arithmetic.
+    """``(scores [batch, n], hyper)`` of each of one block's terms: all its reads first, in forward order, then the
+    arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None.
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -290,7 +310,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
         biased.add(path)
         score[:, -1] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
-        scores.append(score)
+        scores.append((score, datas[k].get("hyper")))
     return scores
 
 
@@ -315,6 +335,37 @@ def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
+def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
+              stop: Stop | None = None) -> tuple[torch.Tensor, list[float]]:
+    """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
+    ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
+
+    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors.
+    """
+    rows = torch.arange(positions.shape[0])
+    embed_direction, per_layer = term_directions(model, plan, direction, stop)
+    fit_errors: list[float] = []
+    embed = _at(layer_input(model, 0), rows, positions)  # [batch, d_model], or [batch, streams, d_model]
+    scores = [(embed * embed_direction.to(embed.device).unsqueeze(-2)).sum(-1) if embed.dim() == 3 else
+              _dot(embed, embed_direction).unsqueeze(-1)]
+    carried = [None]  # parallel streams: each score group's weight on every stream [batch, streams]
+    if embed.dim() == 3:
+        carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
+    for i, terms in enumerate(plan.terms_before(stop)):
+        for score, hyper in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+            if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
+                post, comb = hyper
+                carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
+                carried.append(post)
+            scores.append(score.to(scores[0].device))
+    if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
+        head = module_at(model, plan.family.collapse)
+        collapse = plan.family.collapse_weights(head, _at(head.input, rows, positions))  # [batch, streams]
+        weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
+        scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
+    return torch.cat(scores, -1), fit_errors
+
+
 def direct_logit_attribution(
     model,
     plan: Plan,
@@ -323,37 +374,30 @@ def direct_logit_attribution(
     contrasts: torch.Tensor | None = None,
     by: Granularity = "block",
 ) -> Readout:
-    """Run the recipe inside a trace; see the module docstring.
+    """Attribute a logit (difference) inside a trace; see the module docstring.
 
     Args:
         model: the ``StandardizedTransformer`` being traced.
         plan: ``build_plan(model)``.
         positions: ``[batch]`` long, the attributed position of each prompt, an index into the padded sequence.
         targets, contrasts: ``[batch]`` long token ids (``contrasts`` optional: attribute the logit difference).
-        by: ``"block"``, ``"head"`` or ``"neuron"``.
+        by: ``"block"``, ``"head"``, ``"neuron"`` or ``"expert"``.
     """
     check_granularity(by)
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
-        embed_direction, per_layer = term_directions(model, plan, direction)
-        fit_errors: list[float] = []
-        scores = [_dot(_at(layer_input(model, 0), rows, positions), embed_direction).unsqueeze(-1)]
-        for i, terms in enumerate(plan.layers):
-            for score in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
-                scores.append(score.to(scores[0].device))
-        final: FrozenNorm = probe.freeze(model.ln_final.input[rows, positions], model.ln_final.output[rows, positions])
+        scores, fit_errors = decompose(model, plan, direction, positions, by)
+        final: FrozenNorm = probe.freeze(_at(model.ln_final.input, rows, positions), _at(model.ln_final.output, rows, positions))
         fit_errors.append(final.fit_error)
-        values = torch.cat(scores, -1) * final.scale.to(scores[0].device).unsqueeze(-1)
-        head_out = model.lm_head.output[rows, positions].float()  # [batch, vocab]
-        picked = head_out.gather(-1, targets.to(head_out.device)[:, None])[:, 0]
-        if contrasts is not None:
-            picked_contrast = head_out.gather(-1, contrasts.to(head_out.device)[:, None])[:, 0]
-        logits = model.output.logits[rows, positions].float()
-        out = logits.gather(-1, targets.to(logits.device)[:, None])[:, 0]
+        values = scores * final.scale.to(scores.device).unsqueeze(-1)
+        head_out = _at(model.lm_head.output, rows, positions)  # [batch, vocab]
+        logits = _at(model.output.logits, rows, positions)
+        picked, out = head_out.gather(-1, targets.to(head_out.device)[:, None])[:, 0], logits.gather(-1, targets.to(logits.device)[:, None])[:, 0]
         head_error = (_softcap(picked * plan.logit_scale, plan.softcap) - out.to(picked.device)).abs().max()
         logit = picked * plan.logit_scale
         if contrasts is not None:
+            picked_contrast = head_out.gather(-1, contrasts.to(head_out.device)[:, None])[:, 0]
             out_contrast = logits.gather(-1, contrasts.to(logits.device)[:, None])[:, 0]
             head_error = torch.maximum(
                 head_error,
@@ -368,4 +412,44 @@ def direct_logit_attribution(
             output_logit=out.cpu(),
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
+            scale=final.scale.cpu(),
+        )
+
+
+def direction_attribution(
+    model,
+    plan: Plan,
+    positions: torch.Tensor,
+    direction: torch.Tensor,
+    stop: Stop,
+    reads: str,
+    by: Granularity = "block",
+) -> Readout:
+    """Attribute ``norm(stream) @ direction`` inside a trace, where ``norm`` (the module at ``reads`` in block
+    ``stop[0]``) reads the stream at ``stop``: the terms written before it, through the norm frozen at its input.
+
+    Args:
+        direction: ``[batch, d_model]`` (or ``[d_model]``), a direction on the norm's output (a probe, a query).
+        stop: ``plan.stop_before(layer, sublayer)``; reads: that sublayer's ``Term.reads``.
+    """
+    check_granularity(by)
+    with torch.no_grad():
+        rows = torch.arange(positions.shape[0])
+        norm = module_at(model.layers[stop[0]], reads)
+        probe = probe_norm(norm)
+        v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
+        scores, fit_errors = decompose(model, plan, probe.center(probe.gain * v), positions, by, stop)
+        stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)
+        output = _at(read_site(norm, "output", positions.shape[0]), rows, positions)
+        frozen = probe.freeze(stream, output)
+        fit_errors.append(frozen.fit_error)
+        own = _dot(output, v)  # the model's own normed stream, read along the direction
+        return Readout(
+            values=(scores * frozen.scale.to(scores.device).unsqueeze(-1)).cpu(),
+            constant=_dot(v, probe.bias).cpu(),
+            logit=own.cpu(),
+            output_logit=own.cpu(),
+            head_error=torch.zeros(()),
+            norm_fit_error=torch.tensor(max(fit_errors)),
+            scale=frozen.scale.cpu(),
         )

@@ -29,12 +29,19 @@ def test_parts_sum_to_the_models_logit(family, by):
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_logit_is_the_plain_forward_logit(family):
-    """What the parts sum to is the model's own: a plain transformers forward of each prompt, alone."""
+    """What the parts sum to is the model's own: a plain transformers forward of each prompt (unpadded)."""
     model = tiny_model(family)
-    attr = dla_recipes.attribute(model, PROMPTS, TARGET, position=-1)
     plan = dla_recipes.build_plan(model)
     target = model.tokenizer.convert_tokens_to_ids(TARGET)
-    for i, prompt in enumerate(PROMPTS):
+    for prompt in PROMPTS:
+        attr = dla_recipes.attribute(model, prompt, TARGET, position=-1)
         expected = float(plain_logits(model, prompt)[-1, target])
-        assert float(attr.output_logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
-        assert float(_softcap(attr.logit[i], plan.softcap)) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
+        assert float(attr.output_logit[0]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
+        assert float(_softcap(attr.logit[0], plan.softcap)) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
+
+
+@pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if not dla_recipes.family_of(tiny.config(f)).padding_safe])
+def test_padding_unsafe_family_warns_on_a_padded_batch(family):
+    model = tiny_model(family)
+    with pytest.warns(UserWarning, match="left padding changes this family's outputs"):
+        dla_recipes.attribute(model, PROMPTS, TARGET)

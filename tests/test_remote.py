@@ -136,4 +136,5 @@ def test_server_side_exception(server):
     batch = prepare(model, PROMPTS[0], TARGET)
     object.__setattr__(batch, "positions", torch.tensor([999]))  # bypass the client-side check on purpose
     with server.client(), pytest.raises(RemoteError, match=r"failed on the NDIF server at .*: IndexError: index 999 is out of bounds"):
-        run_trace(model, dla_recipes.build_plan(model), batch, "block", remote=True)
+        args = (dla_recipes.build_plan(model), batch.positions, batch.targets, None, "block")
+        run_trace(model, batch, dla_recipes.direct_logit_attribution, args, remote=True)
