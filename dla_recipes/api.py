@@ -8,6 +8,7 @@ a wrong answer.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Sequence
 
@@ -91,7 +92,15 @@ def load(model, tokenizer=None, **kwargs):
             raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
-    return StandardizedTransformer(model, **kwargs)
+    # nnterp checks its renaming with a fake-tensor scan; on fused MoE experts torch logs a long, harmless error
+    # traceback before nnterp falls back to a real trace. Keep it out of the user's output.
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)
+    try:
+        return StandardizedTransformer(model, **kwargs)
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def _register_for_remote() -> None:

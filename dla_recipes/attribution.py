@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 _LABEL = re.compile(r"^L(\d+)\.(H|N)(\d+)$")
+_PART = re.compile(r"^L\d+\.(H\d+|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")  # a head, neuron, expert: not a block
 
 
 @dataclass
@@ -82,6 +83,22 @@ class Attribution:
                 "share": (row[order] / logit).numpy() if logit != 0 else float("nan"),
             }
         )
+
+    def blocks(self) -> "Attribution":
+        """The same attribution at block granularity: each head / neuron / expert summed into its block label.
+
+        A split term's parts come right before its block label (which holds the term's rest), so each part is
+        added to the next block label. ``blocks().values`` equals ``attribute(..., by="block").values``.
+        """
+        is_block = [not _PART.match(label) for label in self.labels]
+        keep = [j for j, block in enumerate(is_block) if block]
+        owner = torch.zeros(len(self.labels), dtype=torch.long)
+        target = len(keep)
+        for j in reversed(range(len(self.labels))):
+            target -= is_block[j]
+            owner[j] = target
+        values = torch.zeros(len(self), len(keep)).index_add_(1, owner, self.values)
+        return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block")
 
     def grid(self, kind: str = "H") -> torch.Tensor:
         """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where absent."""

@@ -190,10 +190,14 @@ def _routed_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
     """``[batch, parts]`` for grouped experts: per head of each routed slot, or per expert / expert neuron."""
     weight = module_at(layer, planned.term.projection).weight  # [E, d_model, in]
     batch, top_k, width = data["routed"].shape
-    per_input = torch.zeros(batch, top_k, width, device=u.device)
-    for slot in range(top_k):
-        columns = torch.einsum("bd,bdi->bi", u.to(weight.device), weight[data["expert"][:, slot]].float())
-        per_input[:, slot] = (data["gate"][:, slot, None] * data["routed"][:, slot] * columns.to(data["routed"].device)).to(u.device)
+    per_input = torch.zeros(batch, top_k, width, device=weight.device)
+    u, expert = u.to(weight.device), data["expert"].to(weight.device)
+    routed, gate = data["routed"].to(weight.device), data["gate"].to(weight.device)
+    for e in torch.unique(expert).tolist():  # only the experts that fired: at most batch * top_k
+        rows, slots = (expert == e).nonzero(as_tuple=True)
+        columns = u[rows] @ weight[e].float()  # [rows, in]: each input feature's output column, read along u
+        per_input[rows, slots] = gate[rows, slots, None] * routed[rows, slots] * columns
+    per_input = per_input.to(data["routed"].device)
     rows = torch.arange(batch)
     if mode == "heads":  # slot s owns heads s * (in / head_dim) ... in its own slot order
         heads = per_input.unflatten(-1, (-1, planned.part_width)).sum(-1)  # [batch, top_k, heads per slot]
@@ -232,19 +236,20 @@ def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
     experts = module_at(layer, term.projection)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, d], [E, d, I]
     limit = getattr(experts._module, "limit", None)  # a SwiGLU clamp (DeepSeek-V4)
-    batch, width = u.shape[0], planned.expert_width
-    neurons = torch.zeros(batch, planned.experts, width, device=u.device)
-    u = u.to(down.device)
-    for slot in range(data["index"].shape[-1]):
-        e, w = data["index"][:, slot].to(down.device), data["weights"][:, slot].to(down.device)
-        routed = e < planned.experts  # index E means "no expert" (a dropped slot)
-        e, w = torch.where(routed, e, 0), torch.where(routed, w, 0.0)
-        gate, up = torch.einsum("bd,bfd->bf", data["hidden"].to(down.device), gate_up[e].float()).chunk(2, dim=-1)
+    u, hidden = u.to(down.device), data["hidden"].to(down.device)
+    index, weights = data["index"].to(down.device), data["weights"].to(down.device)
+    routed = index < planned.experts  # index E means "no expert" (a dropped slot)
+    neurons = torch.zeros(u.shape[0], planned.experts, planned.expert_width, device=down.device)
+    for e in torch.unique(index[routed]).tolist():  # only the experts that fired: at most batch * top_k
+        weight = (weights * ((index == e) & routed)).sum(-1)  # [batch] this expert's routing weight
+        rows = weight.nonzero()[:, 0]
+        gate, up = (hidden[rows] @ gate_up[e].float().T).chunk(2, dim=-1)
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        act = experts.act_fn(gate) * up  # [batch, I]
-        written = torch.einsum("bd,bdi->bi", u, down[e].float())  # each neuron's output column, read along u
-        neurons[torch.arange(batch), e.to(neurons.device)] += (w[:, None] * act * written).to(neurons.device)
+        act = experts.act_fn(gate) * up  # [rows, I]
+        written = u[rows] @ down[e].float()  # each neuron's output column, read along u: [rows, I]
+        neurons[rows, e] = weight[rows, None] * act * written
+    neurons = neurons.to(u.device)
     parts = [neurons.sum(-1) if mode == "experts" else neurons.flatten(1)]
     rest: torch.Tensor | float = 0.0
     if term.shared is not None:

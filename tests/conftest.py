@@ -24,7 +24,7 @@ _CACHE: dict[str, object] = {}
 def tiny_model(family: str):
     """A tiny perturbed ``family`` model loaded with ``dla_recipes.load`` (cached for the session)."""
     if family not in _CACHE:
-        _CACHE[family] = dla_recipes.load(tiny.build(family), tokenizer=tiny.tokenizer(), device_map="cpu")
+        _CACHE[family] = tiny.standardized(family)
     return _CACHE[family]
 
 

@@ -14,8 +14,7 @@ Public API::
     config(family)            # the tiny transformers Config
     build(family, seed=0)     # tiny perturbed transformers model (eval, float32)
     perturb(model, seed)      # the perturbation, in place
-    load_kwargs(family)       # extra kwargs nnterp.StandardizedTransformer needs for the family
-    standardized(family, seed=0)  # a loaded nnterp StandardizedTransformer with the tokenizer
+    standardized(family, seed=0)  # dla_recipes.load(build(family), tokenizer=tokenizer()) on CPU
 
 ``import dla_recipes`` (done here) must precede ``import nnterp``: it installs the nnsight-0.8 shim.
 """
@@ -642,56 +641,15 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def load_kwargs(family: str) -> dict:
-    """Extra keyword arguments ``nnterp.StandardizedTransformer(model, tokenizer=..., **kwargs)`` needs.
-
-    Without them (nnterp 1.3.0, transformers 5.24):
-
-    * phi, recurrent_gemma: ``RenamingError: Could not find ln_final module`` (``final_layernorm`` / ``final_norm``
-      are not in nnterp's list); recurrent_gemma's blocks are ``temporal_block`` / ``mlp_block``.
-    * zamba2: ``RenamingError: ... heterogeneous layer types: Zamba2HybridLayer, Zamba2MambaDecoderLayer``; the
-      only residual write of every layer is its Mamba-2 mixer (``layers[i].mamba`` on Mamba layers,
-      ``layers[i].mamba_decoder.mamba`` on hybrid ones), exposed as ``self_attn`` through two rename keys (the
-      dotted one is needed: nnterp only checks layer 0, so ``"mamba"`` alone loads but leaves hybrid layers without
-      ``self_attn``); no MLP writes to the stream.
-    * deepseek_v4: ``RenamingError: Could not check the IO ... layers_input[0] has shape [1, 3, hc, d] != (1, 3, d)``
-      (the residual stream is ``[batch, pos, hc_mult, hidden]``); the accessors still work unchecked.
-    """
-    from nnterp.rename_utils import RenameConfig
-
-    _check(family)
-    if family == "phi":
-        return {"rename_config": RenameConfig(ln_final_name="final_layernorm")}
-    if family == "recurrent_gemma":
-        return {
-            "rename_config": RenameConfig(ln_final_name="final_norm", attn_name="temporal_block", mlp_name="mlp_block")
-        }
-    if family == "zamba2":
-        return {
-            "rename_config": RenameConfig(
-                attn_name=["mamba", "mamba_decoder.mamba"], ln_final_name="final_layernorm", ignore_mlp=True
-            ),
-            "allow_multimodal": True,
-        }
-    if family == "deepseek_v4":
-        return {"check_renaming": False}
-    return {}
-
-
 def standardized(family: str, seed: int = 0, **kwargs):
-    """``build(family, seed)`` loaded as an ``nnterp.StandardizedTransformer`` on CPU with its tokenizer.
+    """``build(family, seed)`` loaded with ``dla_recipes.load`` (on CPU, with its tokenizer).
 
-    ``kwargs`` override / extend ``load_kwargs(family)``. MoE families with fused experts log a long
-    ``aten._grouped_mm`` traceback on CPU float32 while nnterp checks the renaming (its ``scan`` fails on the
-    default ``grouped_mm`` experts kernel and falls back to ``trace``); the model is fine.
+    The family table supplies what nnterp needs to load the family (a ``RenameConfig``, ``allow_multimodal``,
+    ``check_renaming``); ``kwargs`` are passed on to ``StandardizedTransformer``.
     """
-    from nnterp import StandardizedTransformer
-
     model = build(family, seed)
-    kw = load_kwargs(family)
-    kw.update(kwargs)
-    kw.setdefault("device_map", "cpu")
-    return StandardizedTransformer(model, tokenizer=tokenizer(model.config.vocab_size), **kw)
+    kwargs.setdefault("device_map", "cpu")
+    return dla_recipes.load(model, tokenizer=tokenizer(model.config.vocab_size), **kwargs)
 
 
-__all__ = ["FAMILIES", "tokenizer", "config", "build", "perturb", "load_kwargs", "standardized", "VOCAB"]
+__all__ = ["FAMILIES", "tokenizer", "config", "build", "perturb", "standardized", "VOCAB"]

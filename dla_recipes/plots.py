@@ -1,0 +1,276 @@
+"""Plots of an ``Attribution`` for notebooks and the docs: a per-block bar chart, a layer x head heatmap, top-k views.
+
+plotly (figures) and matplotlib (the static fallback of ``show``) are optional: they are imported inside the
+functions, so ``import dla_recipes`` never needs them (``pip install "dla_recipes[docs]"`` brings both).
+
+    from dla_recipes import plots
+    plots.blocks_bar(attr)            # contributions per block term (embed, L0.attn, L0.mlp, ...), forward order
+    plots.heads_heatmap(attr)         # layers x heads (an attribution by="head")
+    plots.top_bar(attr, k=20)         # the k largest components (heads, neurons, experts, blocks)
+    plots.top_table(attr, k=10)       # the same as a table with bars (a pandas Styler)
+    plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot
+
+Each figure function returns a ``plotly.graph_objects.Figure``; ``fig.show()`` works as usual in Jupyter. ``show``
+is what the docs use: one output carrying plotly's own JSON (JupyterLab, VS Code), an HTML div drawn with the page's
+plotly.js (the docs site loads it once), and a PNG that stays in place wherever plotly.js does not run.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+import uuid
+
+import torch
+
+_PART = re.compile(r"^L\d+\.(H\d+|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")
+_COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
+           "ple": "#9467bd"}
+_OTHER = "#8c564b"
+
+
+def _title(attr, prompt: int, what: str) -> str:
+    target = attr.target_tokens[prompt] if attr.target_tokens else "target"
+    text = f"logit({target!r})"
+    if attr.contrast_tokens:
+        text = f"logit({target!r}) - logit({attr.contrast_tokens[prompt]!r})"
+    return f"{what}: {text} = {float(attr.logit[prompt]):.3f}"
+
+
+def _check_prompt(attr, prompt: int) -> int:
+    if not -len(attr) <= prompt < len(attr):
+        raise IndexError(f"prompt {prompt} is outside this attribution of {len(attr)} prompts")
+    return prompt % len(attr)
+
+
+def block_values(attr, prompt: int = 0):
+    """A pandas Series: the contributions per block term (``embed``, ``L0.attn``, ``L0.mlp``, ...) of one prompt.
+
+    At head / neuron / expert granularity each term's parts are added back into its block label (a split term's
+    parts come right before its block label, which holds the term's rest), so the Series is the same as the one an
+    attribution ``by="block"`` gives, up to float rounding.
+    """
+    import pandas as pd
+
+    prompt = _check_prompt(attr, prompt)
+    row = attr.values[prompt].double()
+    labels, values, pending = [], [], 0.0
+    for label, value in zip(attr.labels, row.tolist()):
+        if _PART.match(label):
+            pending += value
+            continue
+        labels.append(label)
+        values.append(value + pending)
+        pending = 0.0
+    return pd.Series(values, index=pd.Index(labels, name="component"), name="value", dtype="float64")
+
+
+def _kind(label: str) -> str:
+    return label if label == "embed" else label.split(".", 1)[-1]
+
+
+def blocks_bar(attr, prompt: int = 0):
+    """A bar per block term, in forward order, coloured by kind (attention, MLP, mixer, experts, embedding).
+
+    Works at any granularity (parts are summed into their block, see ``block_values``). The title holds the logit
+    the bars and the constant sum to.
+    """
+    import plotly.graph_objects as go
+
+    prompt = _check_prompt(attr, prompt)
+    series = block_values(attr, prompt)
+    logit = float(attr.logit[prompt])
+    fig = go.Figure()
+    kinds = dict.fromkeys(_kind(label) for label in series.index)
+    for kind in kinds:
+        chosen = [label for label in series.index if _kind(label) == kind]
+        fig.add_bar(
+            x=chosen, y=series[chosen].tolist(), name=kind, marker_color=_COLORS.get(kind, _OTHER),
+            customdata=[[v / logit if logit else float("nan")] for v in series[chosen]],
+            hovertemplate="%{x}: %{y:.4f} (%{customdata[0]:.1%} of the logit)<extra></extra>",
+        )
+    fig.update_layout(
+        title=_title(attr, prompt, f"Direct logit attribution by block ({attr.family})"),
+        xaxis=dict(title="component (forward order)", categoryorder="array", categoryarray=list(series.index),
+                   tickangle=-60, tickfont=dict(size=9)),
+        yaxis=dict(title="contribution to the logit", zeroline=True),
+        barmode="relative", template="plotly_white", height=420, legend_title_text="term",
+        margin=dict(l=60, r=20, t=60, b=90), meta={"dla_plot": "blocks_bar"},
+    )
+    return fig
+
+
+def heads_heatmap(attr, prompt: int = 0):
+    """A layers x heads heatmap of the heads' contributions (an attribution ``by="head"``), diverging at 0.
+
+    Layer 0 is at the top; a cell with no head (a block without attention) is left blank.
+    """
+    import plotly.graph_objects as go
+
+    prompt = _check_prompt(attr, prompt)
+    grid = attr.grid("H")[prompt]  # [layers, heads], NaN where absent
+    z = [[None if v != v else round(float(v), 6) for v in row] for row in grid.tolist()]
+    bound = float(torch.nan_to_num(grid.abs(), nan=0.0).max()) or 1.0
+    fig = go.Figure(go.Heatmap(
+        z=z, x=[f"H{h}" for h in range(grid.shape[1])], y=[f"L{i}" for i in range(grid.shape[0])],
+        colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound, zmax=bound,
+        colorbar=dict(title=dict(text="logit")), hoverongaps=False,
+        hovertemplate="%{y}.%{x}: %{z:.4f}<extra></extra>",
+    ))
+    fig.update_layout(
+        title=_title(attr, prompt, f"Heads ({attr.family})"),
+        xaxis=dict(title="head", side="top"), yaxis=dict(title="layer", autorange="reversed"),
+        template="plotly_white", height=max(320, 26 * grid.shape[0] + 120), width=max(420, 60 * grid.shape[1] + 220),
+        margin=dict(l=60, r=20, t=90, b=30), meta={"dla_plot": "heads_heatmap"},
+    )
+    return fig
+
+
+def top_bar(attr, k: int = 20, prompt: int = 0):
+    """Horizontal bars of the ``k`` largest components by absolute value (largest at the top)."""
+    import plotly.graph_objects as go
+
+    prompt = _check_prompt(attr, prompt)
+    top = attr.top(k, prompt)
+    colors = ["#d62728" if v < 0 else "#1f77b4" for v in top["value"]]
+    fig = go.Figure(go.Bar(
+        x=top["value"].tolist(), y=top["component"].tolist(), orientation="h", marker_color=colors,
+        customdata=[[s] for s in top["share"]],
+        hovertemplate="%{y}: %{x:.4f} (%{customdata[0]:.1%} of the logit)<extra></extra>",
+    ))
+    fig.update_layout(
+        title=_title(attr, prompt, f"Top {len(top)} components by {attr.by} ({attr.family})"),
+        xaxis=dict(title="contribution to the logit", zeroline=True), yaxis=dict(autorange="reversed"),
+        template="plotly_white", height=max(300, 22 * len(top) + 120), margin=dict(l=90, r=20, t=60, b=50),
+        meta={"dla_plot": "top_bar"},
+    )
+    return fig
+
+
+def top_table(attr, k: int = 10, prompt: int = 0):
+    """The ``k`` largest components as a pandas ``Styler``: signed values with bars centred at 0, and shares.
+
+    The HTML table carries the class ``dla-top-table``.
+    """
+    prompt = _check_prompt(attr, prompt)
+    top = attr.top(k, prompt)
+    return (
+        top.style.format({"value": "{:+.4f}", "share": "{:+.1%}"})
+        .bar(subset=["value"], align="zero", color=["#f4a6a6", "#9ecae1"])
+        .hide(axis="index")
+        .set_table_attributes('class="dla-top-table"')
+        .set_caption(_title(attr, prompt, f"Top {len(top)} by {attr.by}"))
+    )
+
+
+# --- display ---------------------------------------------------------------------------------------------------------
+
+
+def static_png(fig, width: int = 900) -> bytes | None:
+    """A PNG of a figure made by this module (bars and heatmaps), drawn with matplotlib; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import numpy as np
+
+    layout = fig.layout
+    height = int(layout.height or 420)
+    w = int(layout.width or width)
+    figure, ax = plt.subplots(figsize=(w / 100, height / 100), dpi=100)
+    columns: dict = {}  # vertical bars of all traces, drawn together in the x axis' category order
+    for trace in fig.data:
+        if trace.type == "heatmap":
+            z = np.array([[np.nan if v is None else v for v in row] for row in trace.z], dtype=float)
+            bound = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
+            image = ax.imshow(z, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+            ax.set_xticks(range(len(trace.x)), list(trace.x), fontsize=7)
+            ax.set_yticks(range(len(trace.y)), list(trace.y), fontsize=7)
+            ax.xaxis.tick_top()
+            figure.colorbar(image, ax=ax, label="logit")
+        elif trace.type == "bar" and trace.orientation == "h":
+            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color)
+            ax.invert_yaxis()
+            ax.axvline(0, color="black", linewidth=0.6)
+        elif trace.type == "bar":
+            for x, y in zip(trace.x, trace.y):
+                columns[x] = (y, trace.marker.color, trace.name)
+    if columns:
+        order = list(layout.xaxis.categoryarray or columns)
+        order = [x for x in order if x in columns] + [x for x in columns if x not in order]
+        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order])
+        ax.set_xticks(range(len(order)), order, rotation=90, fontsize=6 if len(order) > 20 else 8)
+        ax.set_xlim(-0.6, len(order) - 0.4)
+        ax.axhline(0, color="black", linewidth=0.6)
+        names = dict.fromkeys((columns[x][2], columns[x][1]) for x in order)
+        if len(names) > 1:
+            from matplotlib.patches import Patch
+
+            ax.legend(handles=[Patch(color=c, label=n) for n, c in names], fontsize=7)
+    if layout.yaxis.title and layout.yaxis.title.text and not any(t.type == "heatmap" for t in fig.data):
+        ax.set_ylabel(layout.yaxis.title.text, fontsize=8)
+    title = layout.title.text if layout.title and layout.title.text else ""
+    ax.set_title(title, fontsize=9)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+class PlotDisplay:
+    """What ``show`` returns: a notebook output with plotly JSON, an HTML div (+ PNG fallback) and a PNG."""
+
+    def __init__(self, fig, div_id: str | None = None, static: bool = True):
+        self.fig = fig
+        meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
+        self.kind = meta.get("dla_plot", "figure")
+        self.div_id = div_id or f"dla-{self.kind.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+        self.png = static_png(fig) if static else None
+
+    def html(self) -> str:
+        """A div drawn by the page's plotly.js (``window.Plotly``); the static PNG stays where there is none."""
+        spec = self.fig.to_json().replace("</", "<\\/")
+        title = self.fig.layout.title.text if self.fig.layout.title and self.fig.layout.title.text else self.kind
+        image = ""
+        if self.png is not None:
+            data = base64.b64encode(self.png).decode()
+            image = f'<img class="dla-plot-static" alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
+        div_id = html.escape(self.div_id)
+        return (
+            f'<div class="dla-plot" data-dla-plot="{html.escape(self.kind)}">{image}'
+            f'<div id="{div_id}" class="dla-plotly" style="display:none"></div>'
+            "<script>(function () {"
+            f"var spec = {spec}; var id = {json.dumps(self.div_id)};"
+            "function draw() { var div = document.getElementById(id);"
+            " if (!window.Plotly || !div || div.dataset.drawn) return; div.dataset.drawn = '1'; div.style.display = '';"
+            " Plotly.newPlot(div, spec.data, spec.layout, {responsive: true, displaylogo: false});"
+            " var img = div.parentNode.querySelector('.dla-plot-static'); if (img) img.remove(); }"
+            "if (document.readyState === 'loading') document.addEventListener('DOMContentLoaded', draw); else draw();"
+            "})();</script></div>"
+        )
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        bundle = {
+            "application/vnd.plotly.v1+json": json.loads(self.fig.to_json()),
+            "text/html": self.html(),
+            "text/plain": f"<{self.kind} figure: {self.fig.layout.title.text or ''}>",
+        }
+        if self.png is not None:
+            bundle["image/png"] = base64.b64encode(self.png).decode()
+        return bundle
+
+
+def show(fig, div_id: str | None = None, static: bool = True) -> PlotDisplay:
+    """Display a figure in a notebook so it renders everywhere; ``div_id`` names the HTML element (default: unique).
+
+    JupyterLab and VS Code draw plotly's JSON; a page that loads plotly.js (the docs site) draws the HTML div;
+    anything else shows the static PNG (``static=False`` leaves it out).
+    """
+    return PlotDisplay(fig, div_id=div_id, static=static)
