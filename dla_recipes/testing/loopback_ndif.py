@@ -19,7 +19,7 @@ Python API::
         server.stats()                             # one dict per request: request_bytes, result_bytes, seconds, ...
     # the server process is stopped by its pid on exit (also at interpreter exit, and it exits if its parent dies)
 
-The server computes single-threaded (``OMP_NUM_THREADS`` defaults to 1 there); a bit-exact remote == local
+The server computes single-threaded (``threads=1`` by default); a bit-exact remote == local
 comparison needs the local forward single-threaded too (``torch.set_num_threads(1)``), since float reductions
 depend on the thread count.
 
@@ -186,6 +186,8 @@ class LoopbackServer:
         blocked_imports: top-level packages the server refuses to import (default: ``dla_recipes``, ``nnterp``).
         startup_timeout: seconds to wait for the models to load and the port to answer.
         log_path: where the server's stdout/stderr go (default: a temporary file, kept for post-mortems).
+        threads: torch threads the server computes with (default 1, whatever ``OMP_NUM_THREADS`` the client has,
+            so a single-threaded local run reproduces its numbers bit for bit).
     """
 
     def __init__(
@@ -198,6 +200,7 @@ class LoopbackServer:
         blocked_imports: tuple[str, ...] = DEFAULT_BLOCKED_IMPORTS,
         startup_timeout: float = 180.0,
         log_path: Optional[str | os.PathLike] = None,
+        threads: int = 1,
     ) -> None:
         if not models:
             raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
@@ -213,6 +216,7 @@ class LoopbackServer:
         self.blocked_imports = tuple(blocked_imports)
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
+        self.threads = int(threads)
         self.process: Optional[subprocess.Popen] = None
         self._finalizer = None
         self._log_offset = 0
@@ -248,8 +252,8 @@ class LoopbackServer:
         env.update(
             {
                 API_KEY_ENV: self.api_key,
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-                "MKL_NUM_THREADS": env.get("MKL_NUM_THREADS", "1"),
+                "OMP_NUM_THREADS": str(self.threads),
+                "MKL_NUM_THREADS": str(self.threads),
                 "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
