@@ -9,6 +9,7 @@ a wrong answer.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Sequence
 
@@ -34,6 +35,46 @@ def _model_dtype(model) -> torch.dtype:
         return torch.float32
 
 
+def _tokenizer_for(model, tokenizer):
+    """The tokenizer object to hand nnsight: given, or loaded from ``tokenizer`` / the model's name or folder.
+
+    nnsight 0.8.1 does not hand transformers 5's pipeline a tokenizer for a name or folder, so it is loaded here.
+    """
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    source = tokenizer or (model if isinstance(model, str) else getattr(model.config, "name_or_path", None))
+    if not source:
+        raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source))
+    except Exception as error:  # noqa: BLE001 - say what failed; nnsight would fail later and say less
+        raise ValueError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
+
+
+def _family_kwargs(model) -> dict:
+    """What the family table says nnterp needs to load this model (empty for an unknown or unreachable config)."""
+    from nnterp.rename_utils import RenameConfig
+
+    config = getattr(model, "config", None)
+    if config is None:
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model)
+        except Exception:  # noqa: BLE001 - an offline hub id: load without the family's hints
+            return {}
+    try:
+        family = family_of(config)
+    except ValueError:
+        return {}
+    kwargs = dict(family.load_kwargs)
+    if family.rename:
+        kwargs["rename_config"] = RenameConfig(**family.rename)
+    return kwargs
+
+
 def load(model, tokenizer=None, **kwargs):
     """Load ``model`` as an nnterp ``StandardizedTransformer`` with the nnsight 0.8 compatibility fix applied.
 
@@ -46,52 +87,12 @@ def load(model, tokenizer=None, **kwargs):
             RecurrentGemma, Zamba2; ``allow_multimodal``; ``check_renaming``) are filled in unless given.
     """
     from nnterp import StandardizedTransformer
-    from nnterp.rename_utils import RenameConfig
 
     if isinstance(model, StandardizedTransformer):
         return model
-    if hasattr(model, "__fspath__"):
-        model = str(model)
-    config = getattr(model, "config", None)
-    if config is None and isinstance(model, str):
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model)
-        except Exception:  # offline hub id: load without the family's loading hints
-            config = None
-    if config is not None:
-        try:
-            family = family_of(config)
-        except ValueError:
-            family = None
-        if family is not None:
-            if family.rename and "rename_config" not in kwargs:
-                kwargs["rename_config"] = RenameConfig(**family.rename)
-            for key, value in family.load_kwargs.items():
-                kwargs.setdefault(key, value)
-    if isinstance(tokenizer, str) or hasattr(tokenizer, "__fspath__"):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-    if tokenizer is None and isinstance(model, str):
-        # nnsight 0.8.1 does not hand transformers 5's pipeline a tokenizer for a name or folder: load it here.
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model)
-        except Exception as error:  # noqa: BLE001 - say what failed, nnsight would fail later with less
-            raise ValueError(f"could not load a tokenizer for {model!r} ({error}); pass tokenizer=...") from error
-    if tokenizer is None and not isinstance(model, str):
-        name = getattr(getattr(model, "config", None), "name_or_path", None)
-        if name:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(name)
-        else:
-            raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
-    if tokenizer is not None:
-        kwargs["tokenizer"] = tokenizer
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    kwargs = {**_family_kwargs(model), **kwargs, "tokenizer": _tokenizer_for(model, tokenizer)}
     # nnterp checks its renaming with a fake-tensor scan; on fused MoE experts torch logs a long, harmless error
     # traceback before nnterp falls back to a real trace. Keep it out of the user's output.
     fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
