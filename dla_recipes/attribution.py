@@ -28,7 +28,9 @@ class Attribution:
             has one (Gemma 2, RecurrentGemma), else equal to ``logit``.
         error: max over prompts of ``|values.sum(-1) + constant - logit|``.
         prompts, target_tokens, contrast_tokens, positions: what was attributed.
-        by: ``"block"``, ``"head"`` or ``"neuron"``.  family: the family table entry's name.
+        by: ``"block"``, ``"head"``, ``"neuron"`` or ``"expert"``.  family: the family table entry's name.
+        read_by: for ``attribute_direction``, the norm the direction was read through (``"L3.ln_2"``); empty for a
+            logit.
     """
 
     values: torch.Tensor
@@ -43,6 +45,7 @@ class Attribution:
     positions: tuple[int, ...] = ()
     by: str = "block"
     family: str = ""
+    read_by: str = ""
     diagnostics: dict = field(default_factory=dict)
 
     @property
@@ -115,7 +118,8 @@ class Attribution:
 
     def __repr__(self) -> str:
         contrast = f" - {list(self.contrast_tokens)}" if self.contrast_tokens else ""
+        what = f"direction read by {self.read_by}" if self.read_by else f"target {list(self.target_tokens)}{contrast}"
         return (
             f"Attribution({self.family}, by={self.by!r}, {len(self)} prompt(s) x {len(self.labels)} components, "
-            f"target {list(self.target_tokens)}{contrast}, logit {self.logit.tolist()}, error {self.error:.2e})"
+            f"{what}, logit {self.logit.tolist()}, error {self.error:.2e})"
         )

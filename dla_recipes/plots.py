@@ -21,23 +21,24 @@ import base64
 import html
 import io
 import json
-import re
+import math
 import uuid
 
 import torch
 
-_PART = re.compile(r"^L\d+\.(H\d+|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
            "ple": "#9467bd"}
 _OTHER = "#8c564b"
 
 
-def _title(attr, prompt: int, what: str) -> str:
-    target = attr.target_tokens[prompt] if attr.target_tokens else "target"
-    text = f"logit({target!r})"
-    if attr.contrast_tokens:
-        text = f"logit({target!r}) - logit({attr.contrast_tokens[prompt]!r})"
-    return f"{what}: {text} = {float(attr.logit[prompt]):.3f}"
+def _title(attr, prompt: int, what: str, quantity: str | None = None) -> str:
+    """``what: quantity = value``; ``quantity`` defaults to the attributed logit (difference)."""
+    if quantity is None:
+        target = attr.target_tokens[prompt] if attr.target_tokens else "target"
+        quantity = f"logit({target!r})"
+        if attr.contrast_tokens:
+            quantity = f"logit({target!r}) - logit({attr.contrast_tokens[prompt]!r})"
+    return f"{what}: {quantity} = {float(attr.logit[prompt]):.3f}"
 
 
 def _check_prompt(attr, prompt: int) -> int:
@@ -49,30 +50,22 @@ def _check_prompt(attr, prompt: int) -> int:
 def block_values(attr, prompt: int = 0):
     """A pandas Series: the contributions per block term (``embed``, ``L0.attn``, ``L0.mlp``, ...) of one prompt.
 
-    At head / neuron / expert granularity each term's parts are added back into its block label (a split term's
-    parts come right before its block label, which holds the term's rest), so the Series is the same as the one an
-    attribution ``by="block"`` gives, up to float rounding.
+    At head / neuron / expert granularity the parts are summed into their block (``Attribution.blocks()``), so the
+    Series is the one an attribution ``by="block"`` gives, up to float rounding.
     """
     import pandas as pd
 
     prompt = _check_prompt(attr, prompt)
-    row = attr.values[prompt].double()
-    labels, values, pending = [], [], 0.0
-    for label, value in zip(attr.labels, row.tolist()):
-        if _PART.match(label):
-            pending += value
-            continue
-        labels.append(label)
-        values.append(value + pending)
-        pending = 0.0
-    return pd.Series(values, index=pd.Index(labels, name="component"), name="value", dtype="float64")
+    blocks = attr.blocks() if attr.by != "block" else attr
+    return pd.Series(blocks.values[prompt].double().numpy(), index=pd.Index(blocks.labels, name="component"),
+                     name="value")
 
 
 def _kind(label: str) -> str:
     return label if label == "embed" else label.split(".", 1)[-1]
 
 
-def blocks_bar(attr, prompt: int = 0):
+def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
     """A bar per block term, in forward order, coloured by kind (attention, MLP, mixer, experts, embedding).
 
     Works at any granularity (parts are summed into their block, see ``block_values``). The title holds the logit
@@ -90,46 +83,48 @@ def blocks_bar(attr, prompt: int = 0):
         fig.add_bar(
             x=chosen, y=series[chosen].tolist(), name=kind, marker_color=_COLORS.get(kind, _OTHER),
             customdata=[[v / logit if logit else float("nan")] for v in series[chosen]],
-            hovertemplate="%{x}: %{y:.4f} (%{customdata[0]:.1%} of the logit)<extra></extra>",
+            hovertemplate="%{x}: %{y:.4f} (%{customdata[0]:.1%} of the total)<extra></extra>",
         )
     fig.update_layout(
-        title=_title(attr, prompt, f"Direct logit attribution by block ({attr.family})"),
+        title=dict(text=_title(attr, prompt, f"Attribution by block ({attr.family})", quantity), x=0.01, xanchor="left"),
         xaxis=dict(title="component (forward order)", categoryorder="array", categoryarray=list(series.index),
                    tickangle=-60, tickfont=dict(size=9)),
-        yaxis=dict(title="contribution to the logit", zeroline=True),
+        yaxis=dict(title="contribution to the logit" if quantity is None else "contribution", zeroline=True),
         barmode="relative", template="plotly_white", height=420, legend_title_text="term",
-        margin=dict(l=60, r=20, t=60, b=90), meta={"dla_plot": "blocks_bar"},
+        margin=dict(l=60, r=20, t=80, b=90), meta={"dla_plot": "blocks_bar"},
     )
     return fig
 
 
-def heads_heatmap(attr, prompt: int = 0):
+def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
     """A layers x heads heatmap of the heads' contributions (an attribution ``by="head"``), diverging at 0.
 
-    Layer 0 is at the top; a cell with no head (a block without attention) is left blank.
+    Layer 0 is at the top; a cell with no head (a block without attention) is left blank. ``quantity`` names
+    what the parts sum to in the title (default: the attributed logit, e.g. ``"logit(' Paris')"``); the same
+    argument exists on every figure function here.
     """
     import plotly.graph_objects as go
 
     prompt = _check_prompt(attr, prompt)
     grid = attr.grid("H")[prompt]  # [layers, heads], NaN where absent
-    z = [[None if v != v else round(float(v), 6) for v in row] for row in grid.tolist()]
+    z = [[None if math.isnan(v) else round(float(v), 6) for v in row] for row in grid.tolist()]
     bound = float(torch.nan_to_num(grid.abs(), nan=0.0).max()) or 1.0
     fig = go.Figure(go.Heatmap(
         z=z, x=[f"H{h}" for h in range(grid.shape[1])], y=[f"L{i}" for i in range(grid.shape[0])],
         colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound, zmax=bound,
-        colorbar=dict(title=dict(text="logit")), hoverongaps=False,
+        colorbar=dict(title=dict(text="logit" if quantity is None else "")), hoverongaps=False,
         hovertemplate="%{y}.%{x}: %{z:.4f}<extra></extra>",
     ))
     fig.update_layout(
-        title=_title(attr, prompt, f"Heads ({attr.family})"),
+        title=dict(text=_title(attr, prompt, f"Heads ({attr.family})", quantity), x=0.01, xanchor="left"),
         xaxis=dict(title="head", side="top"), yaxis=dict(title="layer", autorange="reversed"),
-        template="plotly_white", height=max(320, 26 * grid.shape[0] + 120), width=max(420, 60 * grid.shape[1] + 220),
-        margin=dict(l=60, r=20, t=90, b=30), meta={"dla_plot": "heads_heatmap"},
+        template="plotly_white", height=max(320, 22 * grid.shape[0] + 130), margin=dict(l=60, r=20, t=100, b=30),
+        meta={"dla_plot": "heads_heatmap", "static_width": max(420, 60 * grid.shape[1] + 220)},
     )
     return fig
 
 
-def top_bar(attr, k: int = 20, prompt: int = 0):
+def top_bar(attr, k: int = 20, prompt: int = 0, quantity: str | None = None):
     """Horizontal bars of the ``k`` largest components by absolute value (largest at the top)."""
     import plotly.graph_objects as go
 
@@ -139,18 +134,20 @@ def top_bar(attr, k: int = 20, prompt: int = 0):
     fig = go.Figure(go.Bar(
         x=top["value"].tolist(), y=top["component"].tolist(), orientation="h", marker_color=colors,
         customdata=[[s] for s in top["share"]],
-        hovertemplate="%{y}: %{x:.4f} (%{customdata[0]:.1%} of the logit)<extra></extra>",
+        hovertemplate="%{y}: %{x:.4f} (%{customdata[0]:.1%} of the total)<extra></extra>",
     ))
     fig.update_layout(
-        title=_title(attr, prompt, f"Top {len(top)} components by {attr.by} ({attr.family})"),
-        xaxis=dict(title="contribution to the logit", zeroline=True), yaxis=dict(autorange="reversed"),
-        template="plotly_white", height=max(300, 22 * len(top) + 120), margin=dict(l=90, r=20, t=60, b=50),
+        title=dict(text=_title(attr, prompt, f"Top {len(top)} by {attr.by} ({attr.family})", quantity), x=0.01,
+                   xanchor="left"),
+        xaxis=dict(title="contribution to the logit" if quantity is None else "contribution", zeroline=True),
+        yaxis=dict(autorange="reversed"),
+        template="plotly_white", height=max(300, 22 * len(top) + 130), margin=dict(l=90, r=20, t=80, b=50),
         meta={"dla_plot": "top_bar"},
     )
     return fig
 
 
-def top_table(attr, k: int = 10, prompt: int = 0):
+def top_table(attr, k: int = 10, prompt: int = 0, quantity: str | None = None):
     """The ``k`` largest components as a pandas ``Styler``: signed values with bars centred at 0, and shares.
 
     The HTML table carries the class ``dla-top-table``.
@@ -162,7 +159,7 @@ def top_table(attr, k: int = 10, prompt: int = 0):
         .bar(subset=["value"], align="zero", color=["#f4a6a6", "#9ecae1"])
         .hide(axis="index")
         .set_table_attributes('class="dla-top-table"')
-        .set_caption(_title(attr, prompt, f"Top {len(top)} by {attr.by}"))
+        .set_caption(_title(attr, prompt, f"Top {len(top)} by {attr.by}", quantity))
     )
 
 
@@ -181,8 +178,9 @@ def static_png(fig, width: int = 900) -> bytes | None:
     import numpy as np
 
     layout = fig.layout
+    meta = layout.meta if isinstance(layout.meta, dict) else {}
     height = int(layout.height or 420)
-    w = int(layout.width or width)
+    w = int(layout.width or meta.get("static_width") or width)
     figure, ax = plt.subplots(figsize=(w / 100, height / 100), dpi=100)
     columns: dict = {}  # vertical bars of all traces, drawn together in the x axis' category order
     for trace in fig.data:
@@ -193,7 +191,8 @@ def static_png(fig, width: int = 900) -> bytes | None:
             ax.set_xticks(range(len(trace.x)), list(trace.x), fontsize=7)
             ax.set_yticks(range(len(trace.y)), list(trace.y), fontsize=7)
             ax.xaxis.tick_top()
-            figure.colorbar(image, ax=ax, label="logit")
+            label = trace.colorbar.title.text if trace.colorbar and trace.colorbar.title else None
+            figure.colorbar(image, ax=ax, label=label or "")
         elif trace.type == "bar" and trace.orientation == "h":
             ax.barh(list(trace.y), list(trace.x), color=trace.marker.color)
             ax.invert_yaxis()
@@ -250,7 +249,7 @@ class PlotDisplay:
             f"var spec = {spec}; var id = {json.dumps(self.div_id)};"
             "function draw() { var div = document.getElementById(id);"
             " if (!window.Plotly || !div || div.dataset.drawn) return; div.dataset.drawn = '1'; div.style.display = '';"
-            " Plotly.newPlot(div, spec.data, spec.layout, {responsive: true, displaylogo: false});"
+            " Plotly.newPlot(div, spec.data, spec.layout, {responsive: true, displaylogo: false, displayModeBar: 'hover'});"
             " var img = div.parentNode.querySelector('.dla-plot-static'); if (img) img.remove(); }"
             "if (document.readyState === 'loading') document.addEventListener('DOMContentLoaded', draw); else draw();"
             "})();</script></div>"

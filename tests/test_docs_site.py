@@ -1,0 +1,248 @@
+"""The docs site, built with ``mkdocs build --strict`` and opened in a real headless browser (Debian's chromium).
+
+The site is built from the executed notebooks (``notebooks/execute.py``: reused when they match the current
+notebook and package sources, executed here otherwise; in one pytest run each notebook executes once, shared with
+``test_notebooks.py``), served over HTTP on 127.0.0.1, and opened with selenium + chromedriver. The quickstart page
+must render its top-k table and draw the layer x head heatmap with the site's own plotly.js. A screenshot of the
+quickstart page is kept as a CI artifact: ``artifacts/quickstart.png`` (and ``artifacts/quickstart-heatmap.png``).
+
+Skips only when chromium or chromedriver is not installed (``make test`` installs both with apt).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and os.path.exists(p)), None)
+CHROMEDRIVER = next((p for p in (shutil.which("chromedriver"), "/usr/bin/chromedriver") if p and os.path.exists(p)), None)
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
+    "--hide-scrollbars",
+)
+PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
+         "api/"]
+
+needs_browser = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)",
+)
+
+
+def notebook_runner():
+    """notebooks/execute.py as the module ``dla_docs_notebooks`` (one in-process record shared by the tests)."""
+    module = sys.modules.get("dla_docs_notebooks")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("dla_docs_notebooks", ROOT / "notebooks" / "execute.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dla_docs_notebooks"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site built by ``mkdocs build --strict`` from executed notebooks; fails on any warning."""
+    runner = notebook_runner()
+    results = runner.execute_all(reuse=True, log=lambda line: print(f"[notebooks] {line}"))
+    failed = [f"{r.name}: {r.error}" for r in results if not r.ok]
+    assert not failed, "notebooks failed, so the site cannot be built:\n" + "\n\n".join(failed)
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    started = time.perf_counter()
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--clean", "-f", str(ROOT / "mkdocs.yml"),
+         "-d", str(out)],
+        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    log = build.stdout + build.stderr
+    print(f"[mkdocs] build --strict: exit {build.returncode} in {time.perf_counter() - started:.1f} s")
+    assert build.returncode == 0, f"mkdocs build --strict failed:\n{log}"
+    warnings = [line for line in log.splitlines() if re.match(r"^(WARNING|ERROR)\b", line)]
+    assert not warnings, "\n".join(warnings)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    """The built site over HTTP on 127.0.0.1 (a free port), stopped after the module."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep the test output readable
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium manager look for a driver online
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _wait(driver, condition, timeout=30.0, what="condition"):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(condition, message=f"timed out after {timeout}s waiting for {what}")
+
+
+def _page_errors(driver) -> list[str]:
+    """Severe console messages of the page, less failed loads of external resources (the CI machine is offline)."""
+    errors = []
+    for entry in driver.get_log("browser"):
+        if entry.get("level") != "SEVERE":
+            continue
+        message = entry.get("message", "")
+        if "net::ERR_" in message or "Failed to load resource" in message:
+            continue
+        errors.append(message)
+    return errors
+
+
+def test_plots_keep_plotly_optional():
+    """``dla_recipes.plots`` imports plotly and matplotlib only inside its functions."""
+    code = "import sys, dla_recipes, dla_recipes.plots; print(sorted({'plotly', 'matplotlib'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@needs_browser
+def test_site_files(site):
+    """Every page of the nav is built, plotly.js ships with the site, and every plot carries its static fallback."""
+    for page in PAGES:
+        assert (site / page / "index.html").is_file(), f"page {page or 'index'} is missing"
+    assert (site / "assets" / "javascripts" / "plotly.min.js").stat().st_size > 1_000_000
+    quickstart = (site / "quickstart" / "index.html").read_text(encoding="utf-8")
+    plots = re.findall(r'<div class="dla-plot" data-dla-plot="([a-z_]+)"><img [^>]*class="dla-plot-static"', quickstart)
+    assert {"blocks_bar", "heads_heatmap"} <= set(plots), plots
+    assert 'id="heads-heatmap"' in quickstart and 'class="dla-top-table"' in quickstart
+
+
+@needs_browser
+def test_quickstart_renders_table_and_heatmap(server, browser):
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "quickstart/")
+    _wait(browser, lambda d: d.execute_script("return document.readyState") == "complete", what="the page to load")
+    assert "Quickstart" in browser.title
+
+    # the top-k table: component labels, signed values, shares
+    tables = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "table.dla-top-table"), what="top-k tables")
+    first = tables[0]
+    headers = [th.text.strip() for th in first.find_elements(By.CSS_SELECTOR, "thead th")]
+    assert headers == ["component", "value", "share"], headers
+    rows = [[td.text.strip() for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in first.find_elements(By.CSS_SELECTOR, "tbody tr")]
+    assert len(rows) == 10, rows
+    for component, value, share in rows:
+        assert re.fullmatch(r"embed|L\d+\.\w+", component), component
+        assert re.fullmatch(r"[+-]\d+\.\d{4}", value), value
+        assert share.endswith("%"), share
+    assert first.is_displayed() and first.size["height"] > 100
+
+    # the heatmap: drawn by the site's plotly.js into the div with the known id, the static PNG removed
+    heatmap = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#heads-heatmap.js-plotly-plot"),
+                    what="plotly to draw #heads-heatmap")[0]
+    assert heatmap.find_elements(By.CSS_SELECTOR, "g.hm image, .heatmaplayer"), "no heatmap layer in the plot"
+    wrapper = browser.find_element(By.CSS_SELECTOR, '[data-dla-plot="heads_heatmap"]')
+    assert not wrapper.find_elements(By.CSS_SELECTOR, "img.dla-plot-static")
+    assert heatmap.size["width"] > 300 and heatmap.size["height"] > 300
+    ticks = {t.text for t in heatmap.find_elements(By.CSS_SELECTOR, ".ytick text")}
+    assert {"L0", "L29"} <= ticks, sorted(ticks)
+
+    # screenshots kept as CI artifacts
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", heatmap)
+    time.sleep(0.5)
+    heatmap_png = ARTIFACTS / "quickstart-heatmap.png"
+    wrapper.screenshot(str(heatmap_png))
+    page_png = ARTIFACTS / "quickstart.png"
+    _full_page_screenshot(browser, page_png, max_height=9000)
+    print(f"screenshot: {page_png.relative_to(ROOT)} (heatmap: {heatmap_png.relative_to(ROOT)})")
+    assert page_png.stat().st_size > 10_000 and heatmap_png.stat().st_size > 5_000
+    assert not _page_errors(browser)
+
+
+@needs_browser
+def test_static_fallback_without_javascript(server, browser):
+    """Where plotly.js cannot run (scripts disabled here), each plot shows its static PNG instead."""
+    from selenium.webdriver.common.by import By
+
+    browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
+    try:
+        browser.get(server + "quickstart/")
+        images = browser.find_elements(By.CSS_SELECTOR, '[data-dla-plot="heads_heatmap"] img.dla-plot-static')
+        assert images, "no static heatmap image"
+        image = images[0]
+        assert image.is_displayed()
+        assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", image) > 300
+        assert not browser.find_elements(By.CSS_SELECTOR, ".js-plotly-plot"), "plotly ran with scripts disabled?"
+        assert browser.find_elements(By.CSS_SELECTOR, "table.dla-top-table"), "the tables need no script"
+    finally:
+        browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": False})
+
+
+def _full_page_screenshot(driver, path: Path, max_height: int) -> None:
+    """The whole page (up to ``max_height`` px) through the DevTools protocol."""
+    width = driver.execute_script("return document.documentElement.scrollWidth")
+    height = min(max_height, driver.execute_script("return document.documentElement.scrollHeight"))
+    driver.execute_script("window.scrollTo(0, 0)")
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {
+        "format": "png", "captureBeyondViewport": True,
+        "clip": {"x": 0, "y": 0, "width": width, "height": height, "scale": 1},
+    })
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
+@needs_browser
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_its_plots(server, browser, page):
+    """Each page loads without script errors, and plotly draws every plot on it."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + page)
+    _wait(browser, lambda d: d.execute_script("return document.readyState") == "complete", what=f"{page} to load")
+    assert browser.find_elements(By.CSS_SELECTOR, "article h1"), f"{page}: no title"
+    plots = browser.find_elements(By.CSS_SELECTOR, ".dla-plot")
+    if plots:
+        _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".dla-plot .js-plotly-plot")) == len(plots),
+              what=f"plotly to draw the {len(plots)} plots of {page}")
+    errors = _page_errors(browser)
+    assert not errors, f"{page}: {errors}"
