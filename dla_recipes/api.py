@@ -132,8 +132,11 @@ def remote_error(error: BaseException, remote) -> RemoteError:
     return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
 
 
-def run_trace(model, batch, recipe, args: tuple, remote=False) -> Readout:
+def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     """One trace of ``batch`` running ``recipe(model, *args)`` (an in-trace function returning a ``Readout``).
+
+    The head runs on the last positions the batch attributes only (transformers' ``logits_to_keep``), where the
+    family allows it: every prompt's last token with left padding and ``position=-1``.
 
     ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
     ``[batch, n_components + 6]`` tensor comes back.
@@ -142,6 +145,8 @@ def run_trace(model, batch, recipe, args: tuple, remote=False) -> Readout:
     if remote:
         _register_for_remote()
         trace_kwargs["remote"] = remote
+    if plan.family.logits_to_keep and _keeps_logits(model):  # only the attributed positions need logits
+        trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
     try:
         with model.trace(dict(batch.encoding), **trace_kwargs):
             packed = recipe(model, *args).pack()
@@ -151,6 +156,13 @@ def run_trace(model, batch, recipe, args: tuple, remote=False) -> Readout:
             raise
         raise remote_error(error, remote) from error
     return Readout.unpack(packed)
+
+
+def _keeps_logits(model) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers computes the head on those positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model._module.forward).parameters
 
 
 def _chunks(n: int, size: int | None) -> list[slice]:
@@ -181,7 +193,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
     else:
         batches_iter = batches
-    readouts = [run_trace(model, batch, recipe, make_args(batch), remote) for batch in batches_iter]
+    readouts = [run_trace(model, plan, batch, recipe, make_args(batch), remote) for batch in batches_iter]
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
            for name in ("values", "constant", "logit", "output_logit", "scale")},

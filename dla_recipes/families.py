@@ -127,6 +127,7 @@ class Family:
     collapse: str | None = None
     collapse_weights: Callable | None = None
     padding_safe: bool = True  # left padding leaves a prompt's logits unchanged (False: recurrent state reads pads)
+    logits_to_keep: bool = True  # the head may run on the attributed positions only (False: the layers change too)
     rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
@@ -278,9 +279,10 @@ FAMILIES: tuple[Family, ...] = (
             Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
                  reads="pre_feedforward_layernorm"),
         )),
-    ), layer_scale="layer_scalar", softcap="final_logit_softcapping",
+    ), layer_scale="layer_scalar", softcap="final_logit_softcapping", logits_to_keep=False,
         notes="sandwich norms; a per-layer-input branch (ple); the whole stream times layer_scalar after each block; "
-              "the MoE variant adds experts beside the MLP, both under post_feedforward_layernorm."),
+              "the MoE variant adds experts beside the MLP, both under post_feedforward_layernorm; given "
+              "logits_to_keep, its KV-shared layers run on the kept positions only, so the whole sequence is kept."),
     # Hybrids: recurrent mixers beside (or instead of) attention.
     Family("recurrent_gemma", ("recurrent_gemma",), (
         LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="temporal_pre_norm"),

@@ -393,11 +393,14 @@ def direct_logit_attribution(
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         scores, fit_errors = decompose(model, plan, direction, positions, by)
-        final: FrozenNorm = probe.freeze(_at(model.ln_final.input, rows, positions), _at(model.ln_final.output, rows, positions))
+        stream = model.ln_final.input  # [batch, pos, d_model]
+        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), _at(model.ln_final.output, rows, positions))
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
-        head_out = _at(model.lm_head.output, rows, positions)  # [batch, vocab]
-        logits = _at(model.output.logits, rows, positions)
+        head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
+        at_head = positions - (stream.shape[1] - head_out.shape[1])
+        head_out = _at(head_out, rows, at_head)  # [batch, vocab]
+        logits = _at(model.output.logits, rows, at_head)
         picked, out = head_out.gather(-1, targets.to(head_out.device)[:, None])[:, 0], logits.gather(-1, targets.to(logits.device)[:, None])[:, 0]
         head_error = (_softcap(picked * plan.logit_scale, plan.softcap) - out.to(picked.device)).abs().max()
         logit = picked * plan.logit_scale

@@ -261,10 +261,15 @@ def test_unshipped_project_code_fails_as_on_ndif(server, remote_models):
     from dla_recipes import _compat
 
     pull_env()  # what the first remote trace does: registers non-installed ("local") packages for by-value shipping
-    if any(name == "dla_recipes" or name.startswith("dla_recipes.") for name in _PICKLE_BY_VALUE_MODULES):
-        pytest.skip("dla_recipes is registered for by-value shipping in this process (not pip-installed?)")
-    remote = remote_models["tiny-llama"]
-    with server.client(), pytest.raises(RemoteError, match=r"No module named 'dla_recipes.*nnsight\.register"):
-        with remote.trace(PROMPT, remote=True):
-            flag = _compat._needs_globals_alias()  # noqa: F841
-            logits = remote.logits.save()  # noqa: F841
+    # dla_recipes.attribute(remote=...) registers the package in this process (other tests ran it): take that back
+    # for this test, as on a fresh client that never registered it, and restore it after.
+    registered = {name for name in _PICKLE_BY_VALUE_MODULES if name == "dla_recipes" or name.startswith("dla_recipes.")}
+    _PICKLE_BY_VALUE_MODULES.difference_update(registered)
+    try:
+        remote = remote_models["tiny-llama"]
+        with server.client(), pytest.raises(RemoteError, match=r"No module named 'dla_recipes.*nnsight\.register"):
+            with remote.trace(PROMPT, remote=True):
+                flag = _compat._needs_globals_alias()  # noqa: F841
+                logits = remote.logits.save()  # noqa: F841
+    finally:
+        _PICKLE_BY_VALUE_MODULES.update(registered)
