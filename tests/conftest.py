@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import dla_recipes  # noqa: E402,F401  (the nnterp shim, before nnterp)
@@ -39,3 +41,15 @@ def plain_logits(model, prompt: str) -> torch.Tensor:
 def tolerance(logit: torch.Tensor) -> torch.Tensor:
     """The promised bound in float32: 1e-4 * max(1, |logit|)."""
     return 1e-4 * torch.clamp(logit.abs(), min=1.0)
+
+
+def notebook_runner():
+    """notebooks/execute.py as the module ``dla_docs_notebooks`` (one in-process record shared by the tests)."""
+    module = sys.modules.get("dla_docs_notebooks")
+    if module is None:
+        path = Path(__file__).resolve().parents[1] / "notebooks" / "execute.py"
+        spec = importlib.util.spec_from_file_location("dla_docs_notebooks", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["dla_docs_notebooks"] = module
+        spec.loader.exec_module(module)
+    return module

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
-import importlib.util
 import os
 import re
 import shutil
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import notebook_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -42,17 +43,6 @@ needs_browser = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
     reason="Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)",
 )
-
-
-def notebook_runner():
-    """notebooks/execute.py as the module ``dla_docs_notebooks`` (one in-process record shared by the tests)."""
-    module = sys.modules.get("dla_docs_notebooks")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("dla_docs_notebooks", ROOT / "notebooks" / "execute.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dla_docs_notebooks"] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

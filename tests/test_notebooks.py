@@ -8,24 +8,13 @@ printed and written to ``build/notebooks/timings.json`` (reported, not asserted:
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import notebook_runner
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def notebook_runner():
-    """notebooks/execute.py as the module ``dla_docs_notebooks`` (one in-process record shared by the tests)."""
-    module = sys.modules.get("dla_docs_notebooks")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("dla_docs_notebooks", ROOT / "notebooks" / "execute.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["dla_docs_notebooks"] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 RUNNER = notebook_runner()
