@@ -43,7 +43,14 @@ docs: $(VENV)/.test
 docs-serve: docs
 	$(VENV)/bin/mkdocs serve
 
-bench: $(VENV)/.test
+# TransformerLens 4.3 (the comparison in the benchmark) in its own environment, on the same CPU torch.
+.venv-tl/.done:
+	$(PYTHON) -m venv .venv-tl
+	.venv-tl/bin/python -m pip --disable-pip-version-check -q install torch==2.13.0
+	.venv-tl/bin/python -m pip --disable-pip-version-check -q install transformers==5.24.0 transformer-lens==4.3.0
+	touch $@
+
+bench: $(VENV)/.test .venv-tl/.done
 	$(PY) benchmarks/run.py --out benchmarks/results
 
 bench-quick: $(VENV)/.test

@@ -148,7 +148,7 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     if plan.family.logits_to_keep and _keeps_logits(model):  # only the attributed positions need logits
         trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
     try:
-        with model.trace(dict(batch.encoding), **trace_kwargs):
+        with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
             packed = recipe(model, *args).pack()
             packed = nnsight.save(packed)
     except Exception as error:

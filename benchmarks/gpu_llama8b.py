@@ -1,0 +1,273 @@
+"""GPU benchmark: dla_recipes on a randomly initialised model with Llama-3.1-8B's shapes, in bfloat16.
+
+    python benchmarks/gpu_llama8b.py                 # on a CUDA machine: batch 64 x 128 tokens, ~2-4 min
+    python benchmarks/gpu_llama8b.py --tiny          # the same logic on CPU with a tiny shape (a smoke test)
+
+No weights are needed to measure cost: the model is built from a ``LlamaConfig`` with Llama-3.1-8B's shapes (32
+layers, d_model 4096, 32 heads / 8 KV heads, d_mlp 14336, vocab 128256) on the meta device, materialised with
+``to_empty`` on the GPU and initialised in place (normal(0, 0.02) weights, norm gains 1 + 0.1 * normal, so no gain
+is trivially 1). Prompts are ``w<i>`` words of a word-level tokenizer (one token each), so every prompt has exactly
+``--seq`` tokens.
+
+Methods, timed interleaved in this one process (median of ``--repeats`` runs after ``--warmup``), ratios to (2):
+
+1. ``plain_forward``: the transformers model under ``torch.no_grad`` (and ``plain_forward_keep1``: with
+   ``logits_to_keep=1``);
+2. ``trace_logits``: ``with torch.no_grad(), model.trace(batch): model.logits.save()`` (and ``trace_logits_keep1``);
+3. ``dla_block`` / ``dla_head`` / ``dla_neuron``: ``dla_recipes.attribute(model, prompts, target, by=...)`` (the
+   public API, with whatever the package does, ``logits_to_keep`` included); ``recipe_*``: the in-trace recipe
+   in a plain trace (every position through ``lm_head``); ``keep_dla_*``: the same with ``logits_to_keep=1``
+   (only the attributed position goes through ``lm_head``).
+
+For each: peak GPU memory above the loaded model (``torch.cuda.max_memory_allocated`` after a reset), and for (3)
+the attribution's error against the model's own logit, in bfloat16 (the recipe accumulates in float32; the
+self-check's bfloat16 tolerance is 5e-2 relative). Writes ``gpu_llama8b.json`` to ``$OUT`` when set, else to
+``benchmarks/results/``. Needs torch with CUDA, transformers, nnsight, nnterp; the repository root is put on
+``sys.path`` so ``import dla_recipes`` works from a checkout without installing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LLAMA_31_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+TINY = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False}
+
+
+def build_model(shape: dict, device, dtype, seed: int = 0):
+    """A random Llama with ``shape``: meta device, ``to_empty`` on ``device``, initialised in place."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(**shape, pad_token_id=shape["vocab_size"] - 1, bos_token_id=0, eos_token_id=1)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:  # RMSNorm gains
+                parameter.copy_(1.0 + 0.1 * torch.randn(parameter.shape, generator=generator, device=device))
+            else:
+                parameter.normal_(0.0, 0.02, generator=generator)
+    rotary = LlamaRotaryEmbedding(config=config)  # its inv_freq buffers are not parameters: rebuild them
+    model.model.rotary_emb = rotary.to(device)
+    return model.eval(), config
+
+
+def word_tokenizer(vocab: int):
+    """Word-level tokenizer: ``w0`` .. ``w{vocab-3}``, [UNK], [PAD] (dla_recipes.testing.tiny's), left padding."""
+    from dla_recipes.testing import tiny
+
+    return tiny.tokenizer(vocab)
+
+
+class _KeptView:
+    def __init__(self, real, attr: str, seq: int):
+        self._real, self._attr, self._seq = real, attr, seq
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_real", "_attr", "_seq"):  # copy / pickle probes, before __init__
+            raise AttributeError(name)
+        value = getattr(self._real, name)
+        return value.expand(-1, self._seq, -1) if name == self._attr else value
+
+
+class KeptLogitsModel:
+    """The traced model seen by the recipe after a ``logits_to_keep=1`` forward: the kept last position of
+    ``lm_head.output`` / ``output.logits`` viewed (``expand``, no copy) at every position. Valid when every
+    attributed position is the last one (left padding, position -1)."""
+
+    def __init__(self, model, seq: int):
+        self._model, self._seq = model, seq
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_model", "_seq"):  # copy / pickle probes, before __init__
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+    @property
+    def lm_head(self):
+        return _KeptView(self._model.lm_head, "output", self._seq)
+
+    @property
+    def output(self):
+        return _KeptView(self._model.output, "logits", self._seq)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU: check the logic without a GPU")
+    parser.add_argument("--batch", type=int, default=None, help="prompts (default 64; --tiny 4)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per prompt (default 128; --tiny 16)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
+    parser.add_argument("--methods", default=None, help="comma list (default: all)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+
+    import torch
+
+    import dla_recipes  # its nnterp shim must load before nnterp
+    from dla_recipes.inputs import prepare
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+    cuda = device.type == "cuda"
+    batch = args.batch or (4 if args.tiny else 64)
+    seq = args.seq or (16 if args.tiny else 128)
+    shape = TINY if args.tiny else LLAMA_31_8B
+    dtype = torch.bfloat16
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def allocated():
+        return torch.cuda.memory_allocated(device) if cuda else 0
+
+    t0 = time.perf_counter()
+    hf, config = build_model(shape, device, dtype)
+    sync()
+    build_s = time.perf_counter() - t0
+    tok = word_tokenizer(config.vocab_size)
+    model = dla_recipes.load(hf, tokenizer=tok)
+    words = config.vocab_size - 2
+    prompts = [" ".join(f"w{(97 * i + 31 * j + 7) % words}" for j in range(seq)) for i in range(batch)]
+    target = "w42"
+    encoding = tok(prompts, return_tensors="pt", padding=True)
+    encoding = {k: v.to(device) for k, v in encoding.items() if k in ("input_ids", "attention_mask")}
+    assert encoding["input_ids"].shape == (batch, seq), encoding["input_ids"].shape
+    plan = dla_recipes.build_plan(model)
+    prepared = prepare(model, prompts, target)
+    loaded = allocated()
+
+    def plain(keep):
+        kw = {"logits_to_keep": 1} if keep else {}
+
+        def run():
+            with torch.no_grad():
+                hf(**encoding, **kw)
+        return run
+
+    def trace(keep):
+        kw = {"logits_to_keep": 1} if keep else {}
+
+        def run():
+            with torch.no_grad():  # noqa: SIM117 - nnsight finds a trace by its own `with` line
+                with model.trace(dict(encoding), **kw):
+                    model.logits.save()
+        return run
+
+    def dla(by):
+        def run():
+            return dla_recipes.attribute(model, prompts, target, by=by).error
+        return run
+
+    def recipe(by, keep):
+        import nnsight
+
+        def run():
+            traced = KeptLogitsModel(model, seq) if keep else model
+            kw = {"logits_to_keep": 1} if keep else {}  # unpadded prompts: every attributed position is the last
+            positions, targets = prepared.positions, prepared.targets
+            with torch.no_grad():  # noqa: SIM117 - nnsight finds a trace by its own `with` line
+                with model.trace(dict(encoding), **kw):
+                    packed = nnsight.save(
+                        dla_recipes.direct_logit_attribution(traced, plan, positions, targets, None, by).pack())
+            readout = dla_recipes.Readout.unpack(packed)
+            return float((readout.values.sum(-1) + readout.constant - readout.logit).abs().max())
+        return run
+
+    table = {"plain_forward": plain(False), "plain_forward_keep1": plain(True), "trace_logits": trace(False),
+             "trace_logits_keep1": trace(True), "dla_block": dla("block"), "dla_head": dla("head"),
+             "dla_neuron": dla("neuron"), "recipe_block": recipe("block", False), "recipe_head": recipe("head", False),
+             "recipe_neuron": recipe("neuron", False), "keep_dla_block": recipe("block", True),
+             "keep_dla_head": recipe("head", True), "keep_dla_neuron": recipe("neuron", True)}
+    if args.methods:
+        table = {k: v for k, v in table.items() if k in args.methods.split(",") or k == "trace_logits"}
+
+    methods, errors, failures, memory = {}, {}, {}, {}
+    for name, fn in table.items():
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            before = allocated()
+            value = fn()  # first call: a warm-up that also gives the error and the peak memory
+            sync()
+            if cuda:
+                memory[name] = {"peak_above_loaded_mb": (torch.cuda.max_memory_allocated(device) - before) / 2**20}
+            errors[name] = None if value is None else float(value)
+            methods[name] = fn
+        except Exception as error:  # noqa: BLE001 - recorded (an ExactnessError reports the bfloat16 error)
+            failures[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
+    for fn in methods.values():
+        for _ in range(max(0, args.warmup - 1)):
+            fn()
+    samples = {name: [] for name in methods}
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            samples[name].append(time.perf_counter() - t)
+    results = {}
+    base = samples.get("trace_logits")
+    for name, values in samples.items():
+        entry = {"median_s": statistics.median(values), "min_s": min(values), "samples_s": values,
+                 "max_error": errors.get(name), **memory.get(name, {})}
+        if base:
+            entry["ratio_to_trace_logits"] = statistics.median(v / b for v, b in zip(values, base))
+        results[name] = entry
+    out = {
+        "shape": {k: v for k, v in shape.items() if k != "rope_scaling"}, "tiny": args.tiny, "dtype": str(dtype),
+        "batch": batch, "seq": seq, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "loaded_model_mb": loaded / 2**20, "build_s": build_s,
+        "repeats": args.repeats, "warmup": args.warmup, "results": results, "failures": failures,
+        "total_s": time.perf_counter() - t_start,
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("gpu_llama8b_tiny.json" if args.tiny else "gpu_llama8b.json")
+    path.write_text(json.dumps(out, indent=1))
+    print(f"{'method':24s} {'median ms':>10s} {'ratio to (2)':>13s} {'peak MB':>9s} {'error':>9s}")
+    for name, r in results.items():
+        ratio = r.get("ratio_to_trace_logits")
+        peak = r.get("peak_above_loaded_mb")
+        err = r.get("max_error")
+        print(f"{name:24s} {r['median_s'] * 1e3:10.1f} {ratio if ratio is None else f'{ratio:.3f}':>13} "
+              f"{'-' if peak is None else f'{peak:.0f}':>9s} {'-' if err is None else f'{err:.2e}':>9s}")
+    for name, text in failures.items():
+        print(f"FAILED {name}: {text.splitlines()[0]}")
+    print(f"wrote {path} ({out['total_s']:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
