@@ -1,25 +1,31 @@
-"""The in-trace DLA recipe: per-component logit contributions computed inside the trace, on any family.
+"""The in-trace DLA recipe: per-component contributions computed inside the trace, on any family.
 
 ``direct_logit_attribution(model, plan, positions, targets, contrasts, by)`` runs inside ``with model.trace(...)``
-(locally, or server side on NDIF) and returns a ``Readout`` of a few small tensors. The math, for every family:
+(locally, or server side on NDIF) and returns a ``Readout`` of a few small tensors; ``direction_attribution`` does
+the same for a direction read by any block's norm. The math, for every family:
 
 1. The logit is ``logit_scale * (lm_head.weight[t] @ norm(x) + lm_head.bias[t])`` at the attributed position, where
    ``x`` is the final norm's input. Freezing the norm (``FrozenNorm``) makes it ``gain * center(x) * s + bias``, so
    ``logit = s * (x @ d) + constant`` with the direction ``d = logit_scale * center(gain * W[t])`` (minus the same
    for a contrast token). ``d`` is known before the forward pass; the scale ``s`` only at its end.
 2. ``x`` is the sum of the terms the blocks wrote (the embedding, then each block's terms, ``families.py``), each
-   carried by what later acts on the stream (gates, ``layer_scalar``). Pulling ``d`` back through those static
-   maps gives each term its own direction before the forward pass reads it.
-3. Each term is reduced to a few numbers as soon as the forward pass produces it: a block term to one number
-   (its value at the position, dotted with its direction); a split term to one number per head or neuron: the
-   direction is pulled back through the term's multiplier, post-norm (frozen at its real input) and output
-   projection onto the projection's input, then multiplied by the heads' outputs or the neurons' activations.
-   No ``[batch, pos, d_model]`` activation is kept, and no ``[batch, d_mlp, d_model]`` tensor is ever built.
+   carried by what later acts on the stream. Static maps (Doge's gates, ZAYA's residual scaling, Gemma-4's
+   ``layer_scalar``) are pulled back into each term's direction before the forward pass reads it; input-dependent
+   stream mixing (DeepSeek-V4's hyper-connections) is carried forward as per-stream weights and read along the
+   final collapse at the end.
+3. Each block's values are read in forward order, then reduced to a few numbers (``layer_scores``): a block term
+   to one (its value at the position, dotted with its direction); a split term to one per head, neuron or expert:
+   the direction is pulled back through the term's multiplier, outer and post norms (frozen at their real inputs)
+   and output projection onto the projection's input, then multiplied by the heads' outputs or the neurons'
+   activations; a fused mixture of experts is recomputed from the model's own routing and weights, only for the
+   experts that fired. No ``[batch, pos, d_model]`` activation is kept, and no ``[batch, d_mlp, d_model]`` tensor
+   is ever built.
 4. At the end the final norm's scale ``s`` is fitted at the real stream, every number is multiplied by it, and the
    model's own logit is read from ``lm_head``'s output (times ``logit_scale``), so the caller can check
    ``values.sum(-1) + constant == logit``.
 
-Everything runs under ``torch.no_grad()`` in float32, whatever the model's dtype.
+Everything runs under ``torch.no_grad()`` in float32, whatever the model's dtype. In a remote trace, call these
+functions by name (``from dla_recipes import direct_logit_attribution``): the module object itself cannot travel.
 """
 
 from __future__ import annotations
