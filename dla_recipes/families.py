@@ -169,6 +169,11 @@ LLAMA_LIKE = _sequential()
 ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")
 DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
 ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
+SANDWICH = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                       reads=("input_layernorm", "pre_feedforward_layernorm"))  # Gemma 2 / 3: norms around both
+POST_NORM_ONLY = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                             reads=(None, None))  # OLMo 2 / 3, EXAONE-4: the sublayers read the raw stream
+
 
 def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(rmsnorm(flat)) * scale + base) + eps``,
@@ -205,22 +210,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("cohere", ("cohere",), _sequential(reads=("input_layernorm", "input_layernorm"), parallel=True),
            logits_times="logit_scale", notes="parallel block; weight-only LayerNorm; logits times logit_scale."),
     # Sandwich and post-norm blocks: what is added is a post-norm's output.
-    Family("gemma2", ("gemma2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
-                                              reads=("input_layernorm", "pre_feedforward_layernorm")),
-           softcap="final_logit_softcapping", notes="sandwich norms; final logits soft-capped."),
-    Family("gemma3", ("gemma3_text", "gemma3"), _sequential(attn_post="post_attention_layernorm",
-                                                            mlp_post="post_feedforward_layernorm",
-                                                            reads=("input_layernorm", "pre_feedforward_layernorm")),
-           softcap="final_logit_softcapping", notes="sandwich norms."),
-    Family("olmo2", ("olmo2",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
-                                            reads=(None, None)),
-           notes="post-norm only."),
-    Family("olmo3", ("olmo3",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
-                                            reads=(None, None)),
-           notes="post-norm only."),
-    Family("exaone4", ("exaone4",), _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
-                                            reads=(None, None)),
-           notes="post-norm only."),
+    Family("gemma2", ("gemma2",), SANDWICH, softcap="final_logit_softcapping",
+           notes="sandwich norms; final logits soft-capped."),
+    Family("gemma3", ("gemma3_text", "gemma3"), SANDWICH, softcap="final_logit_softcapping", notes="sandwich norms."),
+    Family("olmo2", ("olmo2",), POST_NORM_ONLY, notes="post-norm only."),
+    Family("olmo3", ("olmo3",), POST_NORM_ONLY, notes="post-norm only."),
+    Family("exaone4", ("exaone4",), POST_NORM_ONLY, notes="post-norm only."),
     Family("glm4", ("glm4",), _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm"),
            notes="sandwich norms."),
     # Mixtures of experts (fused experts modules): one term per expert, and neurons inside the experts that fired.
