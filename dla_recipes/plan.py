@@ -9,6 +9,7 @@ forward pass runs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -171,9 +172,28 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
     raise FamilyTableError(f"{type(module).__name__} is not a linear projection (nn.Linear or Conv1D)")
 
 
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
+
+
 def build_plan(model, family: Family | None = None) -> Plan:
-    """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights)."""
+    """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights).
+
+    The plan is cached per model (and family entry); a model whose modules are swapped after loading needs
+    ``build_plan.cache_clear()``.
+    """
     family = family or family_of(model)
+    cached = _PLANS.get(model)
+    if cached is not None and cached[0] is family:
+        return cached[1]
+    plan = _build_plan(model, family)
+    _PLANS[model] = (family, plan)
+    return plan
+
+
+build_plan.cache_clear = _PLANS.clear
+
+
+def _build_plan(model, family: Family) -> Plan:
     config = _config(model)
     num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads", None) or 0)
     layers = []

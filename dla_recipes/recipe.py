@@ -125,7 +125,7 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
 def _write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
     """Pull ``v`` back through the term's multiplier and affine merge: ``(direction on read(output), constant)``."""
     term = planned.term
-    u = v * planned.multiplier
+    u = v * planned.multiplier if planned.multiplier != 1.0 else v
     if term.scale is not None:
         u = u * _param(layer, term.scale).to(u.device)
     constant = _dot(u, _param(layer, term.bias)) if term.bias is not None else 0.0
@@ -320,7 +320,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         v, stream_constant = directions[k]
         score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
         biased.add(path)
-        score[:, -1] += stream_constant if isinstance(stream_constant, float) else stream_constant.to(score.device)
+        if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
+            score[:, -1] += stream_constant.to(score.device)
         scores.append((score, datas[k].get("hyper")))
     return scores
 
