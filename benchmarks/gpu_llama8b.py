@@ -15,9 +15,8 @@ Methods, timed interleaved in this one process (median of ``--repeats`` runs aft
    ``logits_to_keep=1``);
 2. ``trace_logits``: ``with torch.no_grad(), model.trace(batch): model.logits.save()`` (and ``trace_logits_keep1``);
 3. ``dla_block`` / ``dla_head`` / ``dla_neuron``: ``dla_recipes.attribute(model, prompts, target, by=...)`` (the
-   public API, with whatever the package does, ``logits_to_keep`` included); ``recipe_*``: the in-trace recipe
-   in a plain trace (every position through ``lm_head``); ``keep_dla_*``: the same with ``logits_to_keep=1``
-   (only the attributed position goes through ``lm_head``).
+   public API; it runs the head on the attributed positions only, ``logits_to_keep``); ``recipe_*``: the in-trace
+   recipe in a plain trace (every position through ``lm_head``), to show what that lever saves.
 
 For each: peak GPU memory above the loaded model (``torch.cuda.max_memory_allocated`` after a reset), and for (3)
 the attribution's error against the model's own logit, in bfloat16 (the recipe accumulates in float32; the
@@ -80,39 +79,6 @@ def word_tokenizer(vocab: int):
     from dla_recipes.testing import tiny
 
     return tiny.tokenizer(vocab)
-
-
-class _KeptView:
-    def __init__(self, real, attr: str, seq: int):
-        self._real, self._attr, self._seq = real, attr, seq
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_real", "_attr", "_seq"):  # copy / pickle probes, before __init__
-            raise AttributeError(name)
-        value = getattr(self._real, name)
-        return value.expand(-1, self._seq, -1) if name == self._attr else value
-
-
-class KeptLogitsModel:
-    """The traced model seen by the recipe after a ``logits_to_keep=1`` forward: the kept last position of
-    ``lm_head.output`` / ``output.logits`` viewed (``expand``, no copy) at every position. Valid when every
-    attributed position is the last one (left padding, position -1)."""
-
-    def __init__(self, model, seq: int):
-        self._model, self._seq = model, seq
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_model", "_seq"):  # copy / pickle probes, before __init__
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
-    @property
-    def lm_head(self):
-        return _KeptView(self._model.lm_head, "output", self._seq)
-
-    @property
-    def output(self):
-        return _KeptView(self._model.output, "logits", self._seq)
 
 
 def main(argv=None) -> int:
@@ -187,26 +153,24 @@ def main(argv=None) -> int:
             return dla_recipes.attribute(model, prompts, target, by=by).error
         return run
 
-    def recipe(by, keep):
+    def recipe(by):
         import nnsight
 
+        from dla_recipes import direct_logit_attribution
+
         def run():
-            traced = KeptLogitsModel(model, seq) if keep else model
-            kw = {"logits_to_keep": 1} if keep else {}  # unpadded prompts: every attributed position is the last
             positions, targets = prepared.positions, prepared.targets
             with torch.no_grad():  # noqa: SIM117 - nnsight finds a trace by its own `with` line
-                with model.trace(dict(encoding), **kw):
-                    packed = nnsight.save(
-                        dla_recipes.direct_logit_attribution(traced, plan, positions, targets, None, by).pack())
+                with model.trace(dict(encoding)):
+                    packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, None, by).pack())
             readout = dla_recipes.Readout.unpack(packed)
             return float((readout.values.sum(-1) + readout.constant - readout.logit).abs().max())
         return run
 
     table = {"plain_forward": plain(False), "plain_forward_keep1": plain(True), "trace_logits": trace(False),
              "trace_logits_keep1": trace(True), "dla_block": dla("block"), "dla_head": dla("head"),
-             "dla_neuron": dla("neuron"), "recipe_block": recipe("block", False), "recipe_head": recipe("head", False),
-             "recipe_neuron": recipe("neuron", False), "keep_dla_block": recipe("block", True),
-             "keep_dla_head": recipe("head", True), "keep_dla_neuron": recipe("neuron", True)}
+             "dla_neuron": dla("neuron"), "recipe_block": recipe("block"), "recipe_head": recipe("head"),
+             "recipe_neuron": recipe("neuron")}
     if args.methods:
         table = {k: v for k, v in table.items() if k in args.methods.split(",") or k == "trace_logits"}
 

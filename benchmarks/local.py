@@ -7,15 +7,13 @@ Methods (each a no-argument callable that returns ``(max_error or None)``):
 ``trace_logits``      (2) ``with torch.no_grad(), model.trace(encoding): model.logits.save()``: the reference every
                       ratio divides by (``trace_logits_grad``: the same without ``no_grad``, nnsight's default, which
                       keeps the autograd graph's activations: more time and memory)
-``dla_block`` ...     (3) ``dla_recipes.attribute(model, prompts, target, by=...)``: the public API, end to end, with
-                      whatever the package does (``api.run_trace`` now passes ``logits_to_keep``)
+``dla_block`` ...     (3) ``dla_recipes.attribute(model, prompts, target, by=...)``: the public API, end to end (it
+                      runs the head on the attributed positions only: ``logits_to_keep``)
 ``recipe_block`` ...  the in-trace recipe alone: ``direct_logit_attribution`` in one plain trace (every position
                       through ``lm_head``), plan and batch built once (no tokenizing, plan building or self-check)
 ``save_all_block``..  (4) the save-everything recipe: save every layer's attention and MLP output (head: every
                       ``o_proj`` input; neuron: every ``down_proj`` input) ``[batch, pos, width]`` in the trace and
                       compute the attribution after it (under ``torch.no_grad``, as (1) and (2))
-``keep_dla_*``        prototype: ``recipe_*`` with ``logits_to_keep=positions[:, None]`` (only each prompt's attributed
-                      position goes through ``lm_head``), see ``recipe_trace``
 ``plain_forward_keep1`` / ``trace_logits_keep1``: (1) and (2) with ``logits_to_keep=1``
 ====================  ==================================================================================================
 """
@@ -35,8 +33,8 @@ import common
 GRANULARITIES = ("block", "head", "neuron")
 CORE = ["plain_forward", "trace_logits", "dla_block", "dla_head", "dla_neuron",
         "save_all_block", "save_all_head", "save_all_neuron"]
-EXTRA = ["recipe_block", "recipe_head", "recipe_neuron", "keep_dla_block", "keep_dla_head", "keep_dla_neuron",
-         "plain_forward_keep1", "trace_logits_keep1", "trace_logits_grad"]
+EXTRA = ["recipe_block", "recipe_head", "recipe_neuron", "plain_forward_keep1", "trace_logits_keep1",
+         "trace_logits_grad"]
 ALL_METHODS = CORE + EXTRA
 
 
@@ -146,87 +144,21 @@ def save_everything(model, encoding: dict, target_id: int, by: str = "block", re
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the in-trace recipe on a prepared batch, and the logits_to_keep prototype
+# the in-trace recipe on a prepared batch
 # ----------------------------------------------------------------------------------------------------------------
 
-class _KeptView:
-    """An envoy seen through ``logits_to_keep``: ``attr`` (one kept position per row) broadcast to ``seq`` positions.
-
-    ``expand`` makes a view, not a copy, so ``value[rows, positions]`` reads each row's kept position.
-    """
-
-    def __init__(self, real, attr: str, seq: int):
-        self._real, self._attr, self._seq = real, attr, seq
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_real", "_attr", "_seq"):  # copy / pickle probes, before __init__
-            raise AttributeError(name)
-        value = getattr(self._real, name)
-        if name == self._attr:
-            value = value.expand(-1, self._seq, -1)
-        return value
-
-
-class KeptLogitsModel:
-    """The traced model as ``direct_logit_attribution`` sees it when the forward ran with
-    ``logits_to_keep=positions[:, None]`` (transformers >= 5 slices each row at its own position with
-    ``slice_logits_to_keep``): ``lm_head.output`` and ``output.logits`` are ``[batch, 1, vocab]``, viewed as
-    ``[batch, seq, vocab]``; every other attribute is the model's own. The package itself would index them at 0."""
-
-    def __init__(self, model, seq: int):
-        self._model, self._seq = model, seq
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_model", "_seq"):  # copy / pickle probes, before __init__
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
-    @property
-    def lm_head(self):
-        return _KeptView(self._model.lm_head, "output", self._seq)
-
-    @property
-    def output(self):
-        return _KeptView(self._model.output, "logits", self._seq)
-
-
-def padded_positions(mask):
-    """``position_ids`` counted from each left-padded row's first token (nnsight's ``processing.positions``)."""
-    import torch
-
-    mask = mask.long()
-    counted = (mask.cumsum(-1) - 1).clamp(min=0)
-    plain = torch.arange(mask.shape[-1]).expand_as(mask)
-    left_padded = (mask.diff(dim=-1) >= 0).all(-1, keepdim=True)
-    return torch.where(left_padded, counted, plain)
-
-
-def recipe_trace(model, plan, batch, by: str, keep: bool = False, remote=False):
-    """One trace running the public in-trace recipe on a prepared batch; returns the unpacked ``Readout``.
-
-    ``keep``: the forward runs with ``logits_to_keep=positions[:, None]`` (a 2-D tensor: each prompt's attributed
-    position, whatever the padding; a tensor also keeps Gemma-4's integer-only KV-shared slicing off), so
-    ``lm_head`` computes one position per prompt instead of all of them.
-    """
+def recipe_trace(model, plan, batch, by: str, remote=False):
+    """One trace running the public in-trace recipe on a prepared batch (every position through ``lm_head``: no
+    ``logits_to_keep``, to show what that lever saves in ``dla_*``); returns the unpacked ``Readout``."""
     import nnsight
 
     import dla_recipes
 
-    encoding = dict(batch.encoding)
-    seq = encoding["input_ids"].shape[1]
-    traced = KeptLogitsModel(model, seq) if keep else model
-    kwargs = {"logits_to_keep": batch.positions[:, None]} if keep else {}
-    if keep and "position_ids" not in encoding:
-        # A tensor keyword makes nnsight pass the encoding through as is, without the position_ids it derives for
-        # a left-padded batch (processing.supply_position_ids): give them, as nnsight counts them, so the forward
-        # is the one a plain trace runs (GPT-2's absolute positions otherwise shift under left padding).
-        encoding["position_ids"] = padded_positions(encoding["attention_mask"])
-    if remote:
-        kwargs["remote"] = remote
+    kwargs = {"remote": remote} if remote else {}
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
-    with model.trace(encoding, **kwargs):
+    with model.trace(dict(batch.encoding), **kwargs):
         packed = nnsight.save(
-            dla_recipes.direct_logit_attribution(traced, plan, positions, targets, contrasts, by).pack()
+            dla_recipes.direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
         )
     return dla_recipes.Readout.unpack(packed)
 
@@ -269,14 +201,13 @@ def build_method(ctx: Context, name: str):
         def run():
             return dla_recipes.attribute(model, ctx.prompts, ctx.target, by=by).error
         return run
-    if name.startswith(("recipe_", "keep_dla_")):
+    if name.startswith("recipe_"):
         by = name.rsplit("_", 1)[1]
         plan = dla_recipes.build_plan(model)
         batch = prepare(model, ctx.prompts, ctx.target)
-        keep = name.startswith("keep_")
 
         def run():
-            readout = recipe_trace(model, plan, batch, by, keep)
+            readout = recipe_trace(model, plan, batch, by)
             return float((readout.values.sum(-1) + readout.constant - readout.logit).abs().max())
         return run
     if name.startswith("save_all_"):

@@ -282,11 +282,6 @@ def targets(derived: dict, remote: dict | None, scaling: dict | None) -> list[di
             r = methods.get(f"dla_{by}", {}).get("ratio")
             if r is not None:
                 add(f"dla per {by} <= {bound}x logits-only trace", key, r, bound, r <= bound)
-        for by, bound in (("block", T_BLOCK_HEAD), ("head", T_BLOCK_HEAD), ("neuron", T_NEURON)):
-            r = methods.get(f"keep_dla_{by}", {}).get("ratio")
-            if r is not None:
-                add(f"(prototype, logits_to_keep) recipe per {by} <= {bound}x logits-only trace", key, r, bound,
-                    r <= bound, "the package does not do this yet; see README, 'The logits_to_keep lever'")
         for by, tl_names in (("block", ("tl_block", "tl_tool_block")), ("head", ("tl_head", "tl_tool_head")),
                              ("neuron", ("tl_neuron",))):
             ours = methods.get(f"dla_{by}", {})
@@ -354,9 +349,6 @@ LABELS = {
     "recipe_block": "in-trace recipe alone (full logits), per block",
     "recipe_head": "in-trace recipe alone (full logits), per head",
     "recipe_neuron": "in-trace recipe alone (full logits), per neuron",
-    "keep_dla_block": "in-trace recipe + logits_to_keep=positions[:, None], per block",
-    "keep_dla_head": "in-trace recipe + logits_to_keep=positions[:, None], per head",
-    "keep_dla_neuron": "in-trace recipe + logits_to_keep=positions[:, None], per neuron",
     "plain_forward_keep1": "(1) with logits_to_keep=1",
     "trace_logits_keep1": "(2) with logits_to_keep=1",
     "trace_logits_grad": "(2) without torch.no_grad (nnsight's default)",
@@ -405,22 +397,6 @@ def markdown(result: dict) -> str:
                          f"{_f(r['ratio'], '{:.3f}')} | {_f(r['peak_above_loaded_mb'], '{:.1f}')} | "
                          f"{_f(r['peak_rss_mb'], '{:.0f}')} | {_f(r['max_error'], '{:.1e}')} |")
         lines.append("")
-    keep_rows = []
-    for key, rows in result["derived"].items():
-        base = rows.get("trace_logits_keep1", {}).get("ratio")
-        for by in ("block", "head", "neuron"):
-            full, kept = rows.get(f"recipe_{by}", {}), rows.get(f"keep_dla_{by}", {})
-            if full.get("ratio") is None or kept.get("ratio") is None:
-                continue
-            keep_rows.append(f"| {key} | {by} | {full['ratio']:.3f} | {kept['ratio']:.3f} | "
-                             f"{_f(base, '{:.3f}')} | {_f(base and kept['ratio'] / base, '{:.3f}')} | "
-                             f"{_f(full.get('peak_above_loaded_mb'), '{:.1f}')} -> "
-                             f"{_f(kept.get('peak_above_loaded_mb'), '{:.1f}')} | {_f(kept.get('max_error'), '{:.1e}')} |")
-    if keep_rows:
-        lines += ["## logits_to_keep (prototype: the recipe in a trace with logits_to_keep=positions[:, None])", "",
-                  ("| model/batch | by | in-trace recipe, full logits | with logits_to_keep | (2) with logits_to_keep=1 | "
-                   "kept dla / kept (2) | peak MB (full -> kept) | error |"), "|---|---|---:|---:|---:|---:|---:|---:|"]
-        lines += keep_rows + [""]
     tl_probe = result.get("tl_probe")
     if tl_probe:
         lines += ["TransformerLens: " + "; ".join(
