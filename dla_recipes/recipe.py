@@ -132,6 +132,28 @@ def _write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
     return u, constant
 
 
+CHUNK_ELEMENTS = 1 << 24  # float32 elements of a weight converted at once (64 MB): bounds memory in bf16 / fp16
+
+
+def matmul_f32(x: torch.Tensor, weight: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``x @ weight`` (or ``x @ weight.T``) in float32, ``x`` ``[rows, k]`` float32, whatever ``weight``'s dtype.
+
+    A float32 weight is used as is. A low-precision one (a bfloat16 model on NDIF) is converted a slice of rows at
+    a time, so no float32 copy of a whole ``[d_mlp, d_model]`` matrix is ever held: the memory stays bounded and
+    the products are accumulated in float32.
+    """
+    x = x.to(weight.device)
+    if weight.dtype == torch.float32:
+        return x @ weight.T if transpose else x @ weight
+    step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+    if transpose:  # weight [n, k]: each slice of rows gives a slice of the output's columns
+        return torch.cat([x @ weight[i:i + step].float().T for i in range(0, weight.shape[0], step)], -1)
+    out = torch.zeros(x.shape[0], weight.shape[1], device=weight.device)
+    for i in range(0, weight.shape[0], step):  # weight [k, n]: each slice of rows adds its share of the sum
+        out += x[:, i:i + step] @ weight[i:i + step].float()
+    return out
+
+
 def _at(value: torch.Tensor, rows, positions) -> torch.Tensor:
     """``value[rows, positions]`` in float32 (advanced indexing copies, so later in-place edits cannot reach it)."""
     return value[rows.to(value.device), positions.to(value.device)].float()
@@ -201,7 +223,7 @@ def _routed_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
     routed, gate = data["routed"].to(weight.device), data["gate"].to(weight.device)
     for e in torch.unique(expert).tolist():  # only the experts that fired: at most batch * top_k
         rows, slots = (expert == e).nonzero(as_tuple=True)
-        columns = u[rows] @ weight[e].float()  # [rows, in]: each input feature's output column, read along u
+        columns = matmul_f32(u[rows], weight[e])  # [rows, in]: each input feature's output column, read along u
         per_input[rows, slots] = gate[rows, slots, None] * routed[rows, slots] * columns
     per_input = per_input.to(data["routed"].device)
     rows = torch.arange(batch)
@@ -221,15 +243,16 @@ def _linear_pullback(module, u: torch.Tensor, transposed: bool):
     A grouped projection (``n_groups`` blocks on the diagonal, each ``[out / G, in]``) pulls each group's slice of
     ``u`` back through its own block: ``[batch, G * in]``.
     """
-    weight = module.weight.float()
+    weight = module.weight
     u = u.to(weight.device)
     bias = getattr(module, "bias", None)
     constant = _dot(u, bias.float()) if bias is not None else 0.0
     groups = getattr(module._module, "n_groups", None) if hasattr(module, "_module") else None
     if groups:
         blocks = weight.view(groups, -1, weight.shape[-1])  # [G, out / G, in]
-        return torch.einsum("bgo,goi->bgi", u.view(u.shape[0], groups, -1), blocks).flatten(1), constant
-    return (u @ weight.T if transposed else u @ weight), constant
+        parts = u.view(u.shape[0], groups, -1)
+        return torch.cat([matmul_f32(parts[:, g], blocks[g]) for g in range(groups)], -1), constant
+    return matmul_f32(u, weight, transpose=transposed), constant
 
 
 def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.Tensor):
@@ -249,11 +272,11 @@ def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
     for e in torch.unique(index[routed]).tolist():  # only the experts that fired: at most batch * top_k
         weight = (weights * ((index == e) & routed)).sum(-1)  # [batch] this expert's routing weight
         rows = weight.nonzero()[:, 0]
-        gate, up = (hidden[rows] @ gate_up[e].float().T).chunk(2, dim=-1)
+        gate, up = matmul_f32(hidden[rows], gate_up[e], transpose=True).chunk(2, dim=-1)
         if limit is not None:
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         act = experts.act_fn(gate) * up  # [rows, I]
-        written = u[rows] @ down[e].float()  # each neuron's output column, read along u: [rows, I]
+        written = matmul_f32(u[rows], down[e])  # each neuron's output column, read along u: [rows, I]
         neurons[rows, e] = weight[rows, None] * act * written
     neurons = neurons.to(u.device)
     parts = [neurons.sum(-1) if mode == "experts" else neurons.flatten(1)]

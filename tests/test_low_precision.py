@@ -1,0 +1,38 @@
+"""Models in bfloat16 / float16: the attribution is accumulated in float32, a slice of a weight at a time.
+
+A bfloat16 model on NDIF must not make the recipe hold a float32 copy of a whole ``[d_mlp, d_model]`` matrix.
+``matmul_f32`` converts a bounded slice of rows at a time; these tests check it against the plain float32
+product, and check a whole bfloat16 attribution against the model's own logit at the bfloat16 tolerance.
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import CONTRAST, PROMPTS, TARGET
+from dla_recipes import recipe
+from dla_recipes.testing import tiny
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matmul_f32_matches_the_float32_product(dtype, transpose, monkeypatch):
+    torch.manual_seed(0)
+    weight = torch.randn(37, 23).to(dtype)
+    x = torch.randn(3, 23 if transpose else 37)
+    monkeypatch.setattr(recipe, "CHUNK_ELEMENTS", 50)  # slices of 2 rows: many of them
+    expected = x @ weight.float().T if transpose else x @ weight.float()
+    torch.testing.assert_close(recipe.matmul_f32(x, weight, transpose), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
+def test_bfloat16_model_is_attributed_in_float32(family, monkeypatch):
+    model = dla_recipes.load(tiny.build(family).to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
+    whole = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
+    monkeypatch.setattr(recipe, "CHUNK_ELEMENTS", 64)  # the same, a few rows of each weight at a time
+    sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
+    assert whole.values.dtype == torch.float32
+    torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
+    # the parts sum to the model's own bfloat16 logit within the bfloat16 tolerance (attribute checks it too)
+    bound = dla_recipes.api.TOLERANCE[torch.bfloat16] * torch.clamp(whole.logit.abs(), min=1.0)
+    assert bool(((whole.values.sum(-1) + whole.constant - whole.logit).abs() <= bound).all())
