@@ -92,10 +92,21 @@ def mlp_output(model, i: int, batch_size: int | None = None) -> torch.Tensor:
 
 
 def attention_head_outputs(model, i: int) -> torch.Tensor:
-    """``[batch, pos, heads, head_dim]``: block ``i``'s heads, the input of its attention output projection."""
+    """``[batch, pos, heads, head_dim]``: block ``i``'s heads, the input of its attention output projection.
+
+    A grouped projection's input (DeepSeek-V4's ``[batch, pos, groups, heads / groups * head_dim]``) is flattened
+    first. A mixture of attention (JetMoE) routes each token to its own heads, so it has no such tensor: use
+    ``attribute(..., by="head")``.
+    """
     term = find_term(model, i, "attn")
+    if term.router is not None:
+        raise ValueError(
+            f"block {i}'s attention is a mixture of attention: each token's heads live in the experts it was routed "
+            "to, grouped by expert, so there is no [batch, pos, heads, head_dim] tensor; use attribute(by='head')"
+        )
     heads = int(getattr(model, "num_heads", None) or _config(model).num_attention_heads)
-    return read_site(model.layers[i], f"{term.projection}.input").unflatten(-1, (heads, -1))
+    value = read_site(model.layers[i], f"{term.projection}.input")
+    return value.flatten(2).unflatten(-1, (heads, -1))
 
 
 def neuron_activations(model, i: int, batch_size: int | None = None) -> torch.Tensor:

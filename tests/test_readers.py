@@ -1,0 +1,58 @@
+"""The in-trace readers name what each sublayer adds to the residual stream, whatever the family.
+
+Checked against the model's own stream: ``layer_input + attention_output + mlp_output == layer_output`` for every
+family whose blocks add their terms to an unscaled stream (post-norm outputs, multiplied copies, BLOOM's dense
+projections, Falcon's in-place MLP output, OPT's flattened MLP all included; JetMoE's routed heads have no head
+tensor, so it is checked through attribute() in test_heads_neurons.py).
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import PROMPTS, tiny_model
+from dla_recipes.testing import tiny
+
+
+def _plain_sum_family(family: str) -> bool:
+    entry = dla_recipes.family_of(tiny.config(family))
+    terms = [t for kind in entry.kinds for t in kind.terms]
+    return (entry.layer_scale is None and entry.collapse is None and {t.name for t in terms} == {"attn", "mlp"}
+            and not any(t.stream_scale or t.stream_bias or t.hyper or t.router for t in terms))
+
+
+PLAIN = [f for f in tiny.FAMILIES if _plain_sum_family(f)]
+
+
+@pytest.mark.parametrize("family", PLAIN)
+def test_input_plus_sublayers_is_the_output(family):
+    model = tiny_model(family)
+    layer = 1
+    with torch.no_grad(), model.trace(PROMPTS):
+        x = dla_recipes.layer_input(model, layer).save()
+        heads = dla_recipes.attention_head_outputs(model, layer).save()
+        attention = dla_recipes.attention_output(model, layer).save()
+        mlp = dla_recipes.mlp_output(model, layer, batch_size=len(PROMPTS)).save()
+        out = dla_recipes.layer_output(model, layer).save()
+    torch.testing.assert_close(x + attention + mlp, out, atol=1e-5, rtol=1e-5)
+    assert heads.shape[:2] == x.shape[:2] and heads.shape[2] == model.num_heads
+
+
+def test_enough_families_are_checked():
+    assert len(PLAIN) >= 25, PLAIN
+
+
+def test_neuron_activations_are_the_down_projections_input():
+    model = tiny_model("llama")
+    with torch.no_grad(), model.trace(PROMPTS):
+        acts = dla_recipes.neuron_activations(model, 0).save()
+        mlp = dla_recipes.mlp_output(model, 0).save()
+    weight = model.layers[0].mlp.down_proj.weight
+    torch.testing.assert_close(acts @ weight.T, mlp, atol=1e-5, rtol=1e-5)
+
+
+def test_mixture_of_attention_has_no_head_tensor():
+    model = tiny_model("jetmoe")
+    with pytest.raises(ValueError, match="mixture of attention"):
+        with model.trace(PROMPTS):
+            dla_recipes.attention_head_outputs(model, 0)
