@@ -150,6 +150,14 @@ def time_methods(methods: dict[str, Callable[[], object]], repeats: int, warmup:
     return out
 
 
+def load_plain(folder: str | os.PathLike):
+    """The plain transformers model of ``folder`` in float32, eval mode: method (1), in either venv."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def load_average() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]

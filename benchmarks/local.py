@@ -52,13 +52,6 @@ def load_standardized(folder: str):
     return model
 
 
-def load_plain(folder: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 class Context:
     """What a set of methods needs, loaded lazily: the nnterp model, the plain model, the encoding."""
 
@@ -77,7 +70,7 @@ class Context:
     @property
     def plain(self):
         if self._plain is None:
-            self._plain = load_plain(self.entry["folder"])
+            self._plain = common.load_plain(self.entry["folder"])
         return self._plain
 
     def encoding(self) -> dict:

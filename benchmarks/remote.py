@@ -84,7 +84,7 @@ def main(argv=None) -> None:
             tokenizer = AutoTokenizer.from_pretrained(entry["folder"])
             target_id = tokenizer(entry["target"], add_special_tokens=False)["input_ids"][0]
             model = server.remote_model(key)
-            plain = local.load_plain(entry["folder"])  # the save-everything recipe's weights, on the client
+            plain = common.load_plain(entry["folder"])  # the save-everything recipe's weights, on the client
             config = model.config
             prompts = {
                 "short": entry["prompts"][0] if "prompts" in entry else spec_module.tiny_prompts(1, spec_module.PROMPT_TOKENS)[0],

@@ -66,10 +66,7 @@ class Context:
     @property
     def plain(self):
         if self._plain is None:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            self._plain = AutoModelForCausalLM.from_pretrained(self.entry["folder"], dtype=torch.float32).eval()
+            self._plain = common.load_plain(self.entry["folder"])
         return self._plain
 
 
