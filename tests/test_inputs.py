@@ -57,7 +57,7 @@ def test_bad_granularity(model):
 
 
 def test_non_integer_position(model):
-    with pytest.raises(InputError, match=r"position must be an int"):
+    with pytest.raises(InputError, match=r"position is a float \(1.5\): pass an integer"):
         dla_recipes.attribute(model, PROMPTS, TARGET, position=1.5)
 
 
