@@ -110,6 +110,10 @@ def load(model, tokenizer=None, **kwargs):
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return StandardizedTransformer(model, **kwargs)
+    except OSError as error:  # a hub id the hub does not have, a folder without weights
+        if not isinstance(model, str):
+            raise
+        raise InputError(f"could not load model {model!r}: {error}") from error
     finally:
         fake_tensor_log.setLevel(level)
 
@@ -131,6 +135,15 @@ def remote_error(error: BaseException, remote) -> RemoteError:
     text = str(error).strip() or type(error).__name__
     if isinstance(error, (ConnectionError, TimeoutError)) or "Connection refused" in text:
         return RemoteError(f"cannot reach the NDIF server at {host}: {text}. Is the host right and the server up?")
+    if not _reached_server(error):  # failed here, before a request reached the server: not a server failure
+        hint = ""
+        if "Repo id must be in the form" in text:
+            hint = (" (a remote model is named by the hub id the server hosts: load it with "
+                    "dla_recipes.load('org/name', remote=True), not from a local folder)")
+        return RemoteError(
+            f"the remote run failed on this machine, before the NDIF server at {host} ran it: "
+            f"{type(error).__name__}: {text}{hint}"
+        )
     if "API key" in text or "api key" in text.lower():
         return RemoteError(
             f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
@@ -139,6 +152,15 @@ def remote_error(error: BaseException, remote) -> RemoteError:
         return RemoteError(f"the NDIF server at {host} does not host this model: {text}")
     cause = [line for line in text.splitlines() if line.strip()][-1].strip()
     return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
+
+
+def _reached_server(error: BaseException) -> bool:
+    """Whether a failed remote run got an answer from the server (nnsight's ``RemoteError``, an HTTP or websocket
+    error) rather than failing on the client (building the model key, serializing the trace, a bad host URL)."""
+    from nnsight.intervention.backends.remote import RemoteError as ServerError
+
+    module = type(error).__module__.split(".")[0]
+    return isinstance(error, (ServerError, OSError)) or module in ("httpx", "websocket", "socketio", "engineio")
 
 
 def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
