@@ -287,7 +287,7 @@ def attribute(
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
-    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
@@ -332,7 +332,7 @@ def attribute_direction(
     Returns:
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
     """
-    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
     stop = plan.stop_before(check_int(layer, "layer"), sublayer)
     reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads

@@ -188,11 +188,13 @@ def check_prompts(prompts) -> list[str]:
     return [check_text(prompt, f"prompt {i}") for i, prompt in enumerate(prompts)]
 
 
-def check_arguments(model, prompts, by, batch_size, tolerance):
+def check_arguments(model, prompts, by, batch_size, tolerance, remote=False):
     """The checks at the top of ``attribute`` / ``attribute_direction``: ``(model, prompts, batch_size, tolerance)``
-    checked and converted (``model`` loaded for the user where ``check_model`` allows it; ``by`` checked against it).
+    checked and converted (``model`` loaded for the user where ``check_model`` allows it; ``by`` checked against it;
+    ``remote`` checked to be a bool or a server URL).
     """
     check_by(by)
+    check_remote(remote)
     prompts = check_prompts(prompts)
     batch_size, tolerance = check_batch_size(batch_size), check_tolerance(tolerance)
     model = check_model(model)
@@ -200,6 +202,18 @@ def check_arguments(model, prompts, by, batch_size, tolerance):
 
     check_by(by, build_plan(model))
     return model, prompts, batch_size, tolerance
+
+
+def check_remote(remote) -> None:
+    """``remote``: ``False``, ``True`` (NDIF) or a server URL starting with ``http://`` / ``https://``."""
+    if isinstance(remote, bool) or remote is None:
+        return
+    if isinstance(remote, str) and remote.startswith(("http://", "https://")):
+        return
+    raise InputError(
+        f"remote={remote!r}: give True (NDIF, host from nnsight's config), False, or a server URL starting with "
+        "http:// or https://"
+    )
 
 
 def check_int(value, role: str) -> int:

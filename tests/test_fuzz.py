@@ -127,6 +127,8 @@ CASES = [
     Case("tolerance_negative", dict(tolerance=-1), ERROR, match=r"tolerance=-1: give a positive"),
     Case("tolerance_nan", dict(tolerance=float("nan")), ERROR, match=r"tolerance=nan"),
     Case("tolerance_string", dict(tolerance="1e-4"), ERROR, match=r"tolerance='1e-4'"),
+    Case("remote_without_scheme", dict(remote="127.0.0.1:8000"), ERROR, match=r"remote='127.0.0.1:8000': give True"),
+    Case("remote_yes_string", dict(remote="yes"), ERROR, match=r"server URL starting with http://"),
     # --- model -------------------------------------------------------------------------------------------------------
     Case("model_missing_folder", dict(model="/no/such/model"), ERROR, match=r"dla_recipes.load\('/no/such/model'\)"),
     Case("model_hub_id", dict(model="someorg/some-model"), ERROR, match=r"attribute\(\) loads only local folders"),
