@@ -393,6 +393,8 @@ def _hub_unreachable() -> str | None:
 
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return "offline (HF_HUB_OFFLINE is set)"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # behind a proxy a direct connection says nothing: let the hub client try
     try:
         from huggingface_hub import constants
 

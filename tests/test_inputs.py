@@ -142,3 +142,14 @@ def test_a_folder_or_a_transformers_model_from_it_is_loaded_for_the_user(model, 
     assert dla_recipes.inputs.check_model(hf) is dla_recipes.inputs.check_model(hf)  # wrapped once
     with pytest.raises(InputError, match=r"attribute\(\) loads only local folders: load the model once with model = dla_recipes.load\('HuggingFaceTB/x'\)"):
         dla_recipes.attribute("HuggingFaceTB/x", PROMPTS, TARGET)
+
+
+def test_an_nnsight_language_model_is_loaded_for_the_user(model):
+    import nnsight
+
+    from dla_recipes.testing import tiny
+
+    lm = nnsight.LanguageModel(tiny.build("llama"), tokenizer=tiny.tokenizer())  # same seed: the same weights
+    attr = dla_recipes.attribute(lm, PROMPTS, TARGET)
+    reference = dla_recipes.attribute(model, PROMPTS, TARGET)
+    torch.testing.assert_close(attr.values, reference.values, atol=1e-5, rtol=1e-5)
