@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -44,7 +44,6 @@ class Case:
     expect: object  # Ok(...) or ERROR
     family: str = "llama"
     match: str | None = None  # a regex the InputError's message must contain (names the argument and the fix)
-    extra: dict = field(default_factory=dict)
 
 
 def _plain_hf():
@@ -148,7 +147,7 @@ def _run(model, kwargs: dict):
     return dla_recipes.attribute(model, prompts, target, **kwargs)
 
 
-def check_answer(attr, model, expect: Ok, by: str = "block") -> None:
+def check_answer(attr, model, expect: Ok) -> None:
     """The parts sum to the logit, and the logit is a plain forward's at the test's own ids and position."""
     n = len(expect.prompts)
     targets = expect.targets * n if len(expect.targets) == 1 else expect.targets
@@ -286,7 +285,7 @@ def test_seeded_random_fuzz(family):
         except Exception as error:  # noqa: BLE001 - any other type is the bug this test hunts
             raise AssertionError(f"{where}: {type(error).__name__}: {error}") from error
         assert expect != ERROR, f"{where}: accepted invalid input"
-        check_answer(attr, model, expect, kwargs["by"])
+        check_answer(attr, model, expect)
         assert not math.isnan(attr.error)
         outcomes["ok"] += 1
     assert outcomes["ok"] >= 5 and outcomes[ERROR] >= 5, outcomes  # both sides of the line were exercised
