@@ -23,7 +23,8 @@ import math
 import numbers
 import os
 import weakref
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, Union
@@ -151,7 +152,7 @@ def resolve_token(model, token: Token, role: str = "target") -> int:
 def per_prompt(value, n: int, role: str) -> list:
     """``value`` as one entry per prompt: a list / tuple / array / tensor of ``n``, or a single token (or a sequence of
     one) repeated ``n`` times."""
-    if isinstance(value, (Mapping, Set)):
+    if isinstance(value, (Mapping, AbstractSet)):
         raise InputError(
             f"{role} is a {type(value).__name__}: give a token string or id, or a list of one per prompt"
         )
@@ -172,7 +173,7 @@ def check_prompts(prompts) -> list[str]:
         raise InputError("prompts is None: pass a string or a list of strings, e.g. 'The Eiffel Tower is in'")
     if isinstance(prompts, (str, bytes, bytearray)):
         prompts = [prompts]
-    elif isinstance(prompts, (Mapping, Set)):
+    elif isinstance(prompts, (Mapping, AbstractSet)):
         raise InputError(
             f"prompts is a {type(prompts).__name__}, which has no fixed order: pass a list of strings"
         )
@@ -409,7 +410,7 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-_LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> its StandardizedTransformer
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transformers model -> its StandardizedTransformer
 _LOADED_FOLDER: dict = {}  # the last folder attribute() loaded: {path: model}
 
 
