@@ -266,9 +266,18 @@ def _draw(rng: random.Random, family: str):
 
 FUZZ_FAMILIES = ["llama", "gpt2", "gemma2", "mixtral"]
 DRAWS_PER_FAMILY = 25
+# A padding-unsafe family (its recurrent state reads the pad tokens): a padded prompt's answer is not a plain
+# forward of that prompt until padded batches are grouped by length (issue 11, item 3). Strict: this fails as
+# XPASS once that lands, so the marker is removed then, not forgotten.
+PADDING_UNSAFE = pytest.param(
+    "recurrent_gemma",
+    marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason="issue 11 item 3: padded prompts of a padding-unsafe family"
+    ),
+)
 
 
-@pytest.mark.parametrize("family", FUZZ_FAMILIES)
+@pytest.mark.parametrize("family", FUZZ_FAMILIES + [PADDING_UNSAFE])
 def test_seeded_random_fuzz(family):
     rng = random.Random(f"dla-fuzz-{family}")
     model = tiny_model(family)
