@@ -19,7 +19,7 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
-from .errors import DLAError, ExactnessError, InputError, RemoteError
+from .errors import DLAError, ExactnessError, InputError, LoadError, RemoteError
 from .families import family_of
 from .inputs import per_prompt, prepare
 from .plan import Granularity, build_plan, check_granularity
@@ -101,8 +101,99 @@ def load(model, tokenizer=None, **kwargs):
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return StandardizedTransformer(model, **kwargs)
+    except DLAError:
+        raise
+    except Exception as error:  # noqa: BLE001 - nnterp's own errors name too little: say what it could not find
+        raise load_error(model, error) from error
     finally:
         fake_tensor_log.setLevel(level)
+
+
+# The standardized modules nnterp looks for, the RenameConfig field naming each, and what the module is.
+_STANDARD = {
+    "layers": ("layers_name", "the list of decoder blocks"),
+    "ln_final": ("ln_final_name", "the final norm"),
+    "lm_head": ("lm_head_name", "the output head"),
+    "self_attn": ("attn_name", "each block's attention"),
+    "mlp": ("mlp_name", "each block's MLP"),
+}
+
+
+def _missing_module(error: BaseException) -> str | None:
+    """The standardized module an nnterp load error says it could not find (None: another failure)."""
+    import re
+
+    text = str(error)
+    match = re.search(r"'StandardizedTransformer' object.* has (?:no )?attribute '(\w+)'", text)
+    match = match or re.search(r"Could not find (\w+) module", text)
+    return match.group(1) if match and match.group(1) in _STANDARD else None
+
+
+def _torch_model(model):
+    """The ``torch.nn.Module`` behind ``model`` (a model object, or one built on the meta device from a name)."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    except Exception:  # noqa: BLE001 - no module tree to search: the error says less
+        return None
+
+
+def _candidate(root, missing: str) -> str | None:
+    """A module path in ``root`` that could be the standardized ``missing`` module (for the suggested rename)."""
+    modules = dict(root.named_modules())
+    blocks = max(((n, m) for n, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)),
+                 key=lambda item: len(item[1]), default=(None, None))[0]
+    if missing == "layers":
+        return blocks
+    outside = {n: m for n, m in modules.items() if n and not (blocks and n.startswith(blocks + "."))}
+    if missing == "ln_final":
+        norms = [n for n, m in outside.items() if "norm" in type(m).__name__.lower() and n != blocks]
+        return norms[-1] if norms else None
+    if missing == "lm_head":
+        vocab = getattr(getattr(root, "config", None), "vocab_size", None)
+        heads = [n for n, m in outside.items() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]
+        return heads[-1] if heads else None
+    if blocks is None:
+        return None
+    words = ("attention", "attn") if missing == "self_attn" else ("mlp", "moe", "feedforward", "feed_forward", "ffn")
+    children = list(modules[blocks][0].named_children())
+    found = [n for n, m in children if any(w in (n + type(m).__name__).lower() for w in words)]
+    return found[0] if found else None
+
+
+def load_error(model, error: BaseException) -> LoadError:
+    """A ``LoadError`` for an nnterp load failure: the model type, what nnterp could not find, and the fix."""
+    root = _torch_model(model)
+    config = getattr(root, "config", None)
+    model_type = getattr(getattr(config, "text_config", None) or config, "model_type", None) or "unknown"
+    name = type(root).__name__ if root is not None else str(model)
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if error.__cause__ is not None:  # nnterp wraps the failure of its input/output check
+        inner = error.__cause__
+        cause += f" <- {type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+    missing = _missing_module(error)
+    if missing is None:
+        hint = ("nnterp's check of the blocks' inputs and outputs failed; if the blocks' modules are named as nnterp "
+                "expects, load(model, check_renaming=False) skips it" if "check the IO" in cause else
+                "dla_recipes attributes the models nnterp loads as a StandardizedTransformer")
+        return LoadError(f"nnterp could not load this {model_type!r} model ({name}): {type(error).__name__}: "
+                         f"{cause}. {hint[0].upper() + hint[1:]}.")
+    field, what = _STANDARD[missing]
+    candidate = _candidate(root, missing) if root is not None else None
+    if candidate is None:
+        fix = (f"this model has no module that could be {what}, so nnterp cannot load it as a "
+               "StandardizedTransformer (and dla_recipes cannot attribute it)")
+    else:
+        fix = (f"if {candidate!r} is {what}, load it with dla_recipes.load(model, rename_config="
+               f"nnterp.rename_utils.RenameConfig({field}={candidate!r}))")
+    return LoadError(
+        f"nnterp could not load this {model_type!r} model ({name}): it found no {missing!r} module ({what}; "
+        f"nnterp said: {cause}). {fix[0].upper() + fix[1:]}."
+    )
 
 
 def _register_for_remote() -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import FamilyTableError
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
 from .readers import layer_input, read_site
@@ -211,6 +212,11 @@ def _read_experts(layer, planned: PlannedTerm, rows, positions) -> dict:
         index = torch.arange(planned.experts, device=routed.device).expand(batch, -1)
         index = torch.where((routed != 0).any(-1), index, planned.experts)  # a zero row: not routed
         return {"hidden": routed, "index": index, "weights": torch.ones(index.shape, device=routed.device)}
+    if len(values) < 3:
+        raise FamilyTableError(
+            f"the experts module {term.projection} was called with {len(values)} input(s), not (hidden, top_k_index, "
+            "top_k_weights): its family table entry's ExpertsLayout does not describe it (router-scaled inputs?)"
+        )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, d] (DBRX passes [batch, pos, d])
     index, weights = values[1], values[2]
     index, weights = index.reshape(hidden.shape[0], -1), weights.reshape(hidden.shape[0], -1)
