@@ -142,27 +142,27 @@ def _torch_model(model):
         return None
 
 
-def _candidate(root, missing: str) -> str | None:
-    """A module path in ``root`` that could be the standardized ``missing`` module (for the suggested rename)."""
+def _candidates(root, missing: str) -> list[str]:
+    """Module paths in ``root`` that could be the standardized ``missing`` module (for the suggested rename)."""
     modules = dict(root.named_modules())
-    blocks = max(((n, m) for n, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)),
-                 key=lambda item: len(item[1]), default=(None, None))[0]
+    lists = [n for n, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    lists = [n for n in lists if not any(n.startswith(other + ".") for other in lists)]  # outermost lists only
+    longest = max((len(modules[n]) for n in lists), default=0)
+    blocks = [n for n in lists if len(modules[n]) == longest]
     if missing == "layers":
         return blocks
-    outside = {n: m for n, m in modules.items() if n and not (blocks and n.startswith(blocks + "."))}
+    outside = {n: m for n, m in modules.items() if n and not any(n == b or n.startswith(b + ".") for b in lists)}
     if missing == "ln_final":
-        norms = [n for n, m in outside.items() if "norm" in type(m).__name__.lower() and n != blocks]
-        return norms[-1] if norms else None
+        norms = [n for n, m in outside.items() if "norm" in type(m).__name__.lower()]
+        return norms[-1:]
     if missing == "lm_head":
         vocab = getattr(getattr(root, "config", None), "vocab_size", None)
-        heads = [n for n, m in outside.items() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]
-        return heads[-1] if heads else None
-    if blocks is None:
-        return None
+        return [n for n, m in outside.items() if isinstance(m, torch.nn.Linear) and m.out_features == vocab][-1:]
+    if not blocks:
+        return []
     words = ("attention", "attn") if missing == "self_attn" else ("mlp", "moe", "feedforward", "feed_forward", "ffn")
-    children = list(modules[blocks][0].named_children())
-    found = [n for n, m in children if any(w in (n + type(m).__name__).lower() for w in words)]
-    return found[0] if found else None
+    children = modules[blocks[0]][0].named_children()
+    return [n for n, m in children if any(w in (n + type(m).__name__).lower() for w in words)][:1]
 
 
 def load_error(model, error: BaseException) -> LoadError:
@@ -183,13 +183,16 @@ def load_error(model, error: BaseException) -> LoadError:
         return LoadError(f"nnterp could not load this {model_type!r} model ({name}): {type(error).__name__}: "
                          f"{cause}. {hint[0].upper() + hint[1:]}.")
     field, what = _STANDARD[missing]
-    candidate = _candidate(root, missing) if root is not None else None
-    if candidate is None:
+    candidates = _candidates(root, missing) if root is not None else []
+    if not candidates:
         fix = (f"this model has no module that could be {what}, so nnterp cannot load it as a "
                "StandardizedTransformer (and dla_recipes cannot attribute it)")
     else:
-        fix = (f"if {candidate!r} is {what}, load it with dla_recipes.load(model, rename_config="
-               f"nnterp.rename_utils.RenameConfig({field}={candidate!r}))")
+        example = f"nnterp.rename_utils.RenameConfig({field}={candidates[0]!r})"
+        fix = (f"if {candidates[0]!r} is {what}, load it with dla_recipes.load(model, rename_config={example})"
+               if len(candidates) == 1 else
+               f"it has several candidates ({', '.join(map(repr, candidates))}); nnterp expects one. If one of them "
+               f"is {what}, load it with dla_recipes.load(model, rename_config={example}) (naming that one)")
     return LoadError(
         f"nnterp could not load this {model_type!r} model ({name}): it found no {missing!r} module ({what}; "
         f"nnterp said: {cause}). {fix[0].upper() + fix[1:]}."

@@ -1,7 +1,7 @@
 """Which decoder-only text model types fail inside nnterp's load, and with what error (issue 12, item 6).
 
 For every model type in transformers' causal-LM mapping whose config is a plain text config (no sub-configs, not
-an encoder-decoder), build a tiny random model from its default config shrunk to 2 layers / width 64 / vocabulary
+an encoder-decoder, no ``encoder`` module), build a tiny random model from its default config shrunk to 2 layers / width 64 / vocabulary
 128 (per-layer lists cut to 2), load it with ``dla_recipes.load``, and print one line per type:
 ``ok``, ``skip (<why the tiny model could not be built>)`` or ``FAIL <error type>: <first line>``.
 
@@ -82,6 +82,9 @@ def main(types: list[str]) -> None:
             config = tiny_config(model_type)
             with torch.device("meta"):
                 meta = AutoModelForCausalLM.from_config(config)
+            if any(".encoder." in f".{name}." for name, _ in meta.named_modules()):
+                print(f"{model_type:28s} skip (an encoder used as a decoder)", flush=True)
+                continue
             n = sum(p.numel() for p in meta.parameters())
             if n > 20_000_000:
                 print(f"{model_type:28s} skip (tiny model has {n / 1e6:.0f}M parameters)", flush=True)
