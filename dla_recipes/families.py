@@ -305,13 +305,16 @@ FAMILIES: tuple[Family, ...] = (
     ),), notes="experts stored [in, out]; shared experts run after the routed ones."),
     Family("llama4_text", ("llama4_text",), (LayerKind((
         ATTENTION,
-        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj", flat=True,
              reads="post_attention_layernorm", when="mlp.experts", layout=ExpertsLayout(
                  transposed=("gate_up_proj", "down_proj"), gating=None, scaled_inputs=True)),
         Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm", unless="mlp.experts"),
-    )),), rename={"mlp_name": "feed_forward"},
+    )),), rename={"mlp_name": "feed_forward"}, load_kwargs={"check_renaming": False},
         notes="every expert runs on every token, its input pre-multiplied by the sigmoid router score (0: not "
-              "routed); a shared expert; dense and MoE blocks interleave (optional terms)."),
+              "routed); a shared expert; dense and MoE blocks interleave (optional terms); the MoE block's output is "
+              "flat [tokens, d], which nnterp's renaming check refuses on a first MoE block, so it is skipped; "
+              "attention temperature tuning reads absolute positions, so left padding changes a prompt's logits "
+              "past floor_scale (8192) tokens."),
     Family("minimax_m3_vl_text", ("minimax_m3_vl_text",), (LayerKind((
         ATTENTION,
         Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", shared_first=True,

@@ -3,7 +3,7 @@
 For every model type in transformers' causal-LM mapping whose config is a plain text config (no sub-configs, not
 an encoder-decoder, no ``encoder`` module), build a tiny random model from its default config shrunk to 2 layers / width 64 / vocabulary
 128 (per-layer lists cut to 2), load it with ``dla_recipes.load``, and print one line per type:
-``ok``, ``skip (<why the tiny model could not be built>)`` or ``FAIL <error type>: <first line>``.
+``ok``, ``skip (<why the tiny model could not be built or run>)`` or ``FAIL <error type>: <first line>``.
 
 Bounded: types whose tiny model still has more than 20M parameters are skipped, each load has 60 s.
 
@@ -91,6 +91,8 @@ def main(types: list[str]) -> None:
                 continue
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).float().eval()
+            with torch.no_grad():  # the shrunk config must give a model that runs before nnterp is blamed
+                model(input_ids=torch.tensor([[2, 3, 4, 5]]))
         except Exception as error:  # noqa: BLE001
             print(f"{model_type:28s} skip ({type(error).__name__}: {str(error).splitlines()[0][:100]})", flush=True)
             continue

@@ -481,11 +481,12 @@ def _cfg_aria_text():
 def _cfg_llama4_text():
     from transformers import Llama4TextConfig
 
-    # like Llama-4 Maverick: dense and MoE blocks interleave; NoPE layers; chunked attention; temperature tuning
+    # MoE blocks first (Llama-4 Scout) and a dense one (Maverick interleaves them); NoPE layers; chunked attention;
+    # temperature tuning (floor_scale past the prompts, as on the real models, where it is 8192)
     return Llama4TextConfig(
         **_llama_like(
             head_dim=16, intermediate_size=32, intermediate_size_mlp=INTER, num_local_experts=4,
-            num_experts_per_tok=1, moe_layers=[1, 2], no_rope_layers=[1, 0, 1], attention_chunk_size=4, floor_scale=MAX_POS,
+            num_experts_per_tok=1, moe_layers=[0, 2], no_rope_layers=[1, 0, 1], attention_chunk_size=4, floor_scale=MAX_POS,
         )
     )
 
