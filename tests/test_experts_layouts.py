@@ -110,3 +110,45 @@ def test_bfloat16_experts_are_recomputed_in_float32(family, monkeypatch):
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
     bound = dla_recipes.api.TOLERANCE[torch.bfloat16] * torch.clamp(whole.logit.abs(), min=1.0)
     assert bool(((whole.values.sum(-1) + whole.constant - whole.logit).abs() <= bound).all())
+
+
+REMOTE = ["gpt_oss", "cohere2_moe"]  # own gating and biases; a scale given by a function of the config
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import secrets
+
+    from dla_recipes.testing import tiny
+    from dla_recipes.testing.loopback_ndif import LoopbackServer
+
+    root = tmp_path_factory.mktemp("served_layouts")
+    folders = {}
+    for family in REMOTE:
+        tiny.build(family).save_pretrained(root / family)
+        tiny.tokenizer().save_pretrained(root / family)
+        folders[family] = str(root / family)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+        yield running
+
+
+@pytest.mark.parametrize("by", ["expert", "neuron"])
+@pytest.mark.parametrize("family", REMOTE)
+def test_remote_layouts_equal_local(server, family, by):
+    """The layout (its gating method name, its scale function) travels by value; the server has no dla_recipes.
+
+    nnterp checks a remote model's renaming with a fake-tensor scan only (no dispatch), which the float32 CPU
+    grouped_mm experts kernel fails (a LoadError says so); the check is skipped here."""
+    remote_model = server.remote_model(family, check_renaming=False)
+    local_model = server.local_model(family)
+    with server.client():
+        remote = dla_recipes.attribute(remote_model, PROMPTS, TARGET, contrast=CONTRAST, by=by, remote=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = dla_recipes.attribute(local_model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+    finally:
+        torch.set_num_threads(before)
+    assert remote.labels == local.labels
+    torch.testing.assert_close(remote.values, local.values, atol=1e-6, rtol=1e-5)
+    assert remote.error <= 1e-4 * max(1.0, float(remote.logit.abs().max()))
