@@ -102,7 +102,8 @@ class Term:
         post_norm: a norm between ``projection`` and ``output`` (sandwich / post-norm families).
         outer_norm: a norm applied after ``output``, to the sum of this and the block's other terms that name it
             (Gemma-4's ``post_feedforward_layernorm`` over its dense MLP and its experts).
-        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``).
+        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``); an item of a
+            config list is ``"name[i]"`` (Falcon-H1's ``mlp_multipliers[1]``).
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
         stream_scale, stream_bias: parameter paths acting on the stream as this term is added (Doge, ZAYA).
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).

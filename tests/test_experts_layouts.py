@@ -152,3 +152,15 @@ def test_remote_layouts_equal_local(server, family, by):
     assert remote.labels == local.labels
     torch.testing.assert_close(remote.values, local.values, atol=1e-6, rtol=1e-5)
     assert remote.error <= 1e-4 * max(1.0, float(remote.logit.abs().max()))
+
+
+def test_falcon_h1_readers_sum_to_the_block_output():
+    """The mixer, the attention (config multipliers) and the MLP (a config list item) add up to the block's output."""
+    model = tiny_model("falcon_h1")
+    with torch.no_grad(), model.trace(PROMPTS):
+        x = dla_recipes.layer_input(model, 1).save()
+        mixer = dla_recipes.term_output(model, 1, "mixer").save()
+        attention = dla_recipes.attention_output(model, 1).save()
+        mlp = dla_recipes.mlp_output(model, 1).save()
+        out = dla_recipes.layer_output(model, 1).save()
+    torch.testing.assert_close(x + mixer + attention + mlp, out, atol=1e-5, rtol=1e-5)
