@@ -19,13 +19,14 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
-from .errors import ExactnessError, InputError
+from .errors import DLAError, ExactnessError, InputError
 from .families import family_of
 from .inputs import (
     check_arguments, check_device_map, check_dtype, check_int, check_prompts, check_source, per_prompt, prepare,
 )
 from .plan import Granularity, build_plan
 from .recipe import Readout, direct_logit_attribution, direction_attribution
+from .load_errors import load_error
 from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
 
 # Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
@@ -111,10 +112,14 @@ def load(model, tokenizer=None, **kwargs):
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return StandardizedTransformer(model, **kwargs)
+    except DLAError:
+        raise
     except OSError as error:  # a hub id the hub does not have, a folder without weights
         if not isinstance(model, str):
-            raise
+            raise load_error(model, error) from error
         raise InputError(f"could not load model {model!r}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - nnterp's own errors name too little: say what it could not find
+        raise load_error(model, error) from error
     finally:
         fake_tensor_log.setLevel(level)
 

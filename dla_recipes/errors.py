@@ -26,3 +26,8 @@ class ExactnessError(DLAError, RuntimeError):
 
 class RemoteError(DLAError, RuntimeError):
     """A remote (NDIF) run failed: key, host, model or a server-side exception, named in the message."""
+
+
+class LoadError(DLAError, RuntimeError):
+    """nnterp could not load the model: the message names its model type, the standardized module nnterp could not
+    find (layers, ln_final, lm_head, self_attn, mlp) and the ``rename_config`` that would load it, where one would."""

@@ -13,8 +13,14 @@ each family answers with one ``Family`` entry:
    config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit).
 
 Paths are relative to the block envoy (``model.layers[i]``) in nnterp's renamed vocabulary (``self_attn``, ``mlp``),
-with native names below that. An entry may hold several layer kinds (hybrids); the first kind whose ``when`` path
-exists on a block is that block's kind.
+with native names below that. The table composes: a term with ``when`` (``unless``) is written only by blocks where
+that path exists (does not exist), so one list of optional terms describes every combination of a family's features
+(Gemma-4's dense MLP, experts and per-layer inputs). An entry may also hold several layer kinds (hybrids whose blocks
+share nothing); the first kind whose ``when`` path exists on a block is that block's kind.
+
+A mixture of experts is recomputed from its own routing and weights; ``ExpertsLayout`` says how its experts module
+stores them (fused or separate gate/up, ``[out, in]`` or ``[in, out]``, biases, the module's own gating function,
+router-scaled inputs, scaled routed and shared parts).
 
 Adding a family: one ``Family`` entry in ``FAMILIES`` and one tiny model in ``dla_recipes.testing.tiny``; the
 test suite then checks it for exactness against the model's own logits at every granularity.
@@ -33,6 +39,50 @@ Split = Literal["heads", "neurons", "experts"]
 
 
 @dataclass(frozen=True)
+class ExpertsLayout:
+    """How a fused experts module stores and runs its routed experts: what their recomputation reads.
+
+    Expert ``e`` maps its input row ``x`` ``[d]`` to ``act = gating(x @ gate_up[e] + gate_up_bias[e])`` ``[I]``
+    (or ``activation(x @ gate[e]) * (x @ up[e])``) and writes ``weight * (act @ down[e] + down_bias[e])``. Weight
+    paths are below the experts module; each is ``[E, out, in]``, or ``[E, in, out]`` when named in ``transposed``,
+    or flattened ``[E * out, in]`` (viewed per expert).
+
+    Attributes:
+        gate_up: the fused gate/up weight ``[E, 2I, d]``; None when the gate and up are separate weights.
+        gate, up: separate gate and up weights (DBRX's ``mlp.w1``, ``mlp.v1``).
+        down: the down weight ``[E, d, I]``.
+        transposed: the weights stored ``[E, in, out]`` (GPT-OSS, Aria, Llama-4; DBRX's ``mlp.w2``).
+        gate_up_bias, down_bias: ``[E, 2I]`` and ``[E, d]`` biases (GPT-OSS).
+        gating: the experts module's own method mapping the fused output ``[rows, 2I]`` to the activations
+            ``[rows, I]`` (transformers' ``_apply_gate``: chunked or interleaved halves, clamps, as the model computes
+            them); None: ``activation(gate) * up`` of the fused output's two halves (or of the separate weights).
+        activation: the activation module (a path below the experts module) when ``gating`` is None.
+        scaled_inputs: the module runs every expert on every token, each input row pre-multiplied by the token's
+            routing score (Llama-4): its input is ``[E * tokens, d]``, expert-major, and each expert's output is
+            added with weight 1; a zero input row is an expert the token was not routed to.
+        routed_scale, shared_scale: a config attribute, or a function of the config, multiplying the routed
+            experts' sum (MiniMax-M3's ``routed_scaling_factor``) and the shared expert (Cohere-2-MoE: both
+            halved when the block averages them).
+    """
+
+    gate_up: str | None = "gate_up_proj"
+    gate: str | None = None
+    up: str | None = None
+    down: str = "down_proj"
+    transposed: tuple[str, ...] = ()
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    gating: str | None = "_apply_gate"
+    activation: str = "act_fn"
+    scaled_inputs: bool = False
+    routed_scale: str | Callable | None = None
+    shared_scale: str | Callable | None = None
+
+
+FUSED = ExpertsLayout()  # transformers' standard experts: gate_up_proj [E, 2I, d], down_proj [E, d, I], _apply_gate
+
+
+@dataclass(frozen=True)
 class Term:
     """One term a block writes into the residual stream.
 
@@ -47,12 +97,13 @@ class Term:
         split: how ``projection`` splits the term: ``"heads"`` (its input is ``[batch, pos, heads * head_dim]``),
             ``"neurons"`` (its input is ``[batch, pos, d_mlp]``), ``"experts"`` (a fused mixture-of-experts module
             called as ``experts(hidden [tokens, d], top_k_index [tokens, k], top_k_weights [tokens, k])`` with
-            ``gate_up_proj [E, 2 * d_expert, d]`` and ``down_proj [E, d, d_expert]``), or ``None``.
+            weights as ``layout`` describes), or ``None``.
         projection: the linear map (``nn.Linear`` or GPT-2's ``Conv1D``), or the fused experts module.
         post_norm: a norm between ``projection`` and ``output`` (sandwich / post-norm families).
         outer_norm: a norm applied after ``output``, to the sum of this and the block's other terms that name it
             (Gemma-4's ``post_feedforward_layernorm`` over its dense MLP and its experts).
-        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``).
+        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``); an item of a
+            config list is ``"name[i]"`` (Falcon-H1's ``mlp_multipliers[1]``).
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
         stream_scale, stream_bias: parameter paths acting on the stream as this term is added (Doge, ZAYA).
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
@@ -74,6 +125,9 @@ class Term:
         hyper: on a family with parallel residual streams, the hyper-connection run before this term's sublayer:
             its output is ``(post [b, s, streams], comb [b, s, streams, streams], collapsed)``; the streams become
             ``combᵀ streams`` and the term is written into stream ``k`` times ``post[k]``.
+        when, unless: the term is written only by blocks where this path exists (``when``) or does not
+            (``unless``): optional terms compose, so a block's features need no layer kind per combination.
+        layout: experts split: how the experts module stores its weights (default: transformers' fused layout).
     """
 
     name: str
@@ -98,6 +152,9 @@ class Term:
     parallel: bool | str = False
     then: str | None = None
     hyper: str | None = None
+    when: str | None = None
+    unless: str | None = None
+    layout: ExpertsLayout = FUSED
 
 
 @dataclass(frozen=True)
@@ -183,6 +240,12 @@ def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
 
 
+def _cohere2_moe_mean(config) -> float:
+    """Cohere-2-MoE's routed and shared experts are averaged (each halved) under the "average" strategy."""
+    averaged = config.num_shared_experts > 0 and config.shared_expert_combination_strategy == "average"
+    return 0.5 if averaged else 1.0
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
@@ -231,6 +294,63 @@ FAMILIES: tuple[Family, ...] = (
                   when="mlp.experts"),
         LayerKind((ATTENTION, DENSE_MLP)),
     ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
+    # --- Mixtures of experts with their own layouts (issue 12)
+    Family("gpt_oss", ("gpt_oss",), (LayerKind((ATTENTION, Term(
+        "mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm", layout=ExpertsLayout(
+            transposed=("gate_up_proj", "down_proj"), gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias")),
+    )),), notes="attention sinks; experts stored [in, out] with biases, gate/up interleaved and clamped (its own "
+                "_apply_gate); each expert's down bias is part of that expert."),
+    Family("aria_text", ("aria_text",), (LayerKind((ATTENTION, Term(
+        "mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+        reads="post_attention_layernorm", layout=ExpertsLayout(transposed=("gate_up_proj", "down_proj")))),
+    ),), notes="experts stored [in, out]; shared experts run after the routed ones."),
+    Family("llama4_text", ("llama4_text",), (LayerKind((
+        ATTENTION,
+        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj", flat=True,
+             reads="post_attention_layernorm", when="mlp.experts", layout=ExpertsLayout(
+                 transposed=("gate_up_proj", "down_proj"), gating=None, scaled_inputs=True)),
+        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm", unless="mlp.experts"),
+    )),), rename={"mlp_name": "feed_forward"}, load_kwargs={"check_renaming": False},
+        notes="every expert runs on every token, its input pre-multiplied by the sigmoid router score (0: not "
+              "routed); a shared expert; dense and MoE blocks interleave (optional terms); the MoE block's output is "
+              "flat [tokens, d], which nnterp's renaming check refuses on a first MoE block, so it is skipped; "
+              "attention temperature tuning reads absolute positions, so left padding changes a prompt's logits "
+              "past floor_scale (8192) tokens."),
+    Family("minimax_m3_vl_text", ("minimax_m3_vl_text",), (LayerKind((
+        ATTENTION,
+        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", shared_first=True,
+             reads="post_attention_layernorm", when="mlp.experts",
+             layout=ExpertsLayout(routed_scale="routed_scaling_factor")),
+        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm", unless="mlp.experts"),
+    )),), notes="clamped SwiGLU experts without act_fn (their own _apply_gate); routed experts times "
+                "routed_scaling_factor, plus a shared expert run first; dense and MoE blocks (optional terms)."),
+    Family("cohere2_moe", ("cohere2_moe",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm"),
+        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+             reads="input_layernorm", parallel=True, when="mlp.experts",
+             layout=ExpertsLayout(routed_scale=_cohere2_moe_mean, shared_scale=_cohere2_moe_mean)),
+        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="input_layernorm", parallel=True,
+             unless="mlp.experts"),
+    )),), logits_times="logit_scale",
+        notes="parallel block (one input_layernorm); routed and shared experts summed or averaged "
+              "(shared_expert_combination_strategy); dense prefix blocks; logits times logit_scale."),
+    Family("falcon_h1", ("falcon_h1",), (LayerKind((
+        Term("mixer", "mamba.output", multiplier="ssm_out_multiplier", reads="input_layernorm"),
+        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", multiplier="attention_out_multiplier",
+             reads="input_layernorm", parallel=True),
+        Term("mlp", "mlp.down_proj.output", "neurons", "mlp.down_proj", multiplier="mlp_multipliers[1]",
+             reads="pre_ff_layernorm"),
+    )),), logits_times="lm_head_multiplier", rename={"ln_final_name": "final_layernorm", "mlp_name": "feed_forward"},
+        notes="Mamba-2 mixer and attention side by side on one norm, each times its config multiplier; the MLP's "
+              "down projection times mlp_multipliers[1]; embedding times embedding_multiplier; logits times "
+              "lm_head_multiplier."),
+    Family("dbrx", ("dbrx",), (LayerKind((
+        Term("attn", "norm_attn_norm.attn.output", "heads", "norm_attn_norm.attn.out_proj", reads="norm_attn_norm.norm_1"),
+        Term("mlp", "mlp.output", "experts", "mlp.experts", reads="norm_attn_norm.norm_2", layout=ExpertsLayout(
+            gate_up=None, gate="mlp.w1", up="mlp.v1", down="mlp.w2", transposed=("mlp.w2",), gating=None,
+            activation="mlp.activation_fn")),
+    )),), notes="separate flattened w1 / v1 / w2 expert weights [E * I, d] (w2 used as [in, out]); the attention "
+                "sits inside norm_attn_norm (nnterp's self_attn) with both norms."),
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual",
@@ -250,34 +370,23 @@ FAMILIES: tuple[Family, ...] = (
              stream_scale="post_mlp_residual_scale.residual_scale",
              stream_bias="post_mlp_residual_scale.residual_bias", reads="post_attention_layernorm"),
     )),), notes="each merge is (h + hb) * hs + (stream + rb) * rs (ZayaResidualScaling); MoE MLP."),
-    Family("gemma4", ("gemma4_text", "gemma4"), (
-        LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
-            Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
-                 post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
-                 reads="pre_feedforward_layernorm"),
-            Term("experts", "post_feedforward_layernorm_2.output", "experts", "experts",
-                 post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm",
-                 reads="pre_feedforward_layernorm_2", parallel=True),
-        ), when="experts"),
-        LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
-            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
-                 reads="pre_feedforward_layernorm"),
-            Term("ple", "post_per_layer_input_norm.output"),
-        ), when="per_layer_input_gate"),
-        LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
-            Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
-                 reads="pre_feedforward_layernorm"),
-        )),
-    ), layer_scale="layer_scalar", softcap="final_logit_softcapping", logits_to_keep=False,
-        notes="sandwich norms; a per-layer-input branch (ple); the whole stream times layer_scalar after each block; "
-              "the MoE variant adds experts beside the MLP, both under post_feedforward_layernorm; given "
-              "logits_to_keep, its KV-shared layers run on the kept positions only, so the whole sequence is kept."),
+    Family("gemma4", ("gemma4_text", "gemma4"), (LayerKind((
+        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
+             reads="input_layernorm"),
+        Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
+             post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
+             reads="pre_feedforward_layernorm", when="experts"),
+        Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
+             reads="pre_feedforward_layernorm", unless="experts"),
+        Term("experts", "post_feedforward_layernorm_2.output", "experts", "experts",
+             post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm",
+             reads="pre_feedforward_layernorm_2", parallel=True, when="experts"),
+        Term("ple", "post_per_layer_input_norm.output", when="per_layer_input_gate"),
+    )),), layer_scale="layer_scalar", softcap="final_logit_softcapping", logits_to_keep=False,
+        notes="sandwich norms; the whole stream times layer_scalar after each block; optional terms: the MoE "
+              "variant adds experts beside the MLP, both under post_feedforward_layernorm, and a per-layer-input "
+              "branch (ple) follows where the model has per-layer inputs; given logits_to_keep, its KV-shared layers "
+              "run on the kept positions only, so the whole sequence is kept."),
     # Hybrids: recurrent mixers beside (or instead of) attention.
     Family("recurrent_gemma", ("recurrent_gemma",), (
         LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="temporal_pre_norm"),

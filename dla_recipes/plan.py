@@ -35,6 +35,7 @@ class PlannedTerm:
         experts, expert_width: experts split: the number of routed experts and each one's neurons.
         shared_width: experts split: the shared expert's neurons (0: none).
         parallel: the sublayer reads the same stream as the term before it (``Term.parallel`` resolved).
+        routed_scale, shared_scale: experts split: the layout's scales of the routed experts and the shared expert.
     """
 
     term: Term
@@ -46,6 +47,8 @@ class PlannedTerm:
     expert_width: int = 0
     shared_width: int = 0
     parallel: bool = False
+    routed_scale: float = 1.0
+    shared_scale: float = 1.0
 
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
@@ -153,14 +156,29 @@ def _has_path(layer, path: str) -> bool:
 
 
 def layer_terms(family: Family, layer) -> tuple[Term, ...]:
-    """The terms of the first layer kind of ``family`` whose ``when`` path exists on this block (an envoy)."""
+    """The terms block ``layer`` (an envoy) writes: those of the first layer kind of ``family`` whose ``when`` path
+    exists on it, less the optional terms whose ``when`` path is missing or whose ``unless`` path exists."""
     for kind in family.kinds:
         if kind.when is None or _has_path(layer, kind.when):
-            return kind.terms
+            return tuple(
+                term for term in kind.terms
+                if (term.when is None or _has_path(layer, term.when))
+                and (term.unless is None or not _has_path(layer, term.unless))
+            )
     raise FamilyTableError(
         f"family {family.name!r}: block {type(layer._module).__name__} matches none of its layer kinds "
         f"({', '.join(repr(k.when) for k in family.kinds)})"
     )
+
+
+def config_value(config, name):
+    """``config.<name>`` as a float; ``name`` may index a list (``"mlp_multipliers[1]"``) or be a function of the
+    config (returning a float)."""
+    if callable(name):
+        return float(name(config))
+    attribute, _, index = name.partition("[")
+    value = getattr(config, attribute)
+    return float(value[int(index.rstrip("]"))] if index else value)
 
 
 def _config(model):
@@ -199,8 +217,30 @@ def build_plan(model, family: Family | None = None) -> Plan:
 build_plan.cache_clear = _PLANS.clear
 
 
+def _experts_shape(family: Family, i: int, layer, term: Term, d_model: int) -> tuple[int, int]:
+    """``(experts, neurons per expert)`` of a fused experts module, from its layout's weights."""
+    layout = term.layout
+    module = module_at(layer, term.projection)._module
+    activation = layout.gating if layout.gating is not None and layout.gate_up is not None else layout.activation
+    for path in (layout.gate_up, layout.gate, layout.up, layout.down, layout.gate_up_bias, layout.down_bias, activation):
+        if path is not None and not _has_path(module, path):
+            raise FamilyTableError(
+                f"family {family.name!r}: block {i}: the experts module {term.projection} ({type(module).__name__}) "
+                f"has no {path!r} (term {term.name!r}); the family table's ExpertsLayout does not describe it"
+            )
+    down = module_at(module, layout.down)
+    experts = int(getattr(module, "num_experts", 0) or down.shape[0])
+    if down.numel() % (experts * d_model):
+        raise FamilyTableError(
+            f"family {family.name!r}: block {i}: {term.projection}.{layout.down} {tuple(down.shape)} does not split "
+            f"into {experts} experts of width d_model={d_model}"
+        )
+    return experts, down.numel() // (experts * d_model)
+
+
 def _build_plan(model, family: Family) -> Plan:
     config = _config(model)
+    d_model = int(model.lm_head.weight.shape[-1])
     num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads", None) or 0)
     layers = []
     for i, layer in enumerate(model.layers):
@@ -217,8 +257,9 @@ def _build_plan(model, family: Family) -> Plan:
                     )
             multiplier = 1.0
             if term.multiplier is not None:
-                multiplier = float(getattr(config, term.multiplier))
+                multiplier = config_value(config, term.multiplier)
             parts = width = experts = expert_width = shared_width = 0
+            routed_scale = shared_scale = 1.0
             transposed = False
             if term.router is not None:  # grouped experts: weight [E, d_model, in]
                 module = module_at(layer, term.projection)._module
@@ -230,10 +271,12 @@ def _build_plan(model, family: Family) -> Plan:
                 else:
                     expert_width = in_features
             elif term.split == "experts":
-                module = module_at(layer, term.projection)._module
-                experts, expert_width = int(module.down_proj.shape[0]), int(module.down_proj.shape[-1])
+                experts, expert_width = _experts_shape(family, i, layer, term, d_model)
                 if term.shared is not None:
                     shared_width = _linear_shape(module_at(layer, term.shared)._module)[0]
+                layout = term.layout
+                routed_scale = 1.0 if layout.routed_scale is None else config_value(config, layout.routed_scale)
+                shared_scale = 1.0 if layout.shared_scale is None else config_value(config, layout.shared_scale)
             elif term.split is not None and term.projection is not None:
                 module = module_at(layer, term.projection)._module
                 in_features, _, transposed = _linear_shape(module)
@@ -249,7 +292,8 @@ def _build_plan(model, family: Family) -> Plan:
                     parts, width = in_features, 1
             parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
             planned.append(
-                PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel)
+                PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
+                            routed_scale, shared_scale)
             )
         layers.append(tuple(planned))
     logit_scale = 1.0

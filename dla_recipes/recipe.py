@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import FamilyTableError
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
 from .readers import layer_input, read_site
@@ -183,10 +184,7 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
-        args, kwargs = module_at(layer, term.projection).inputs
-        hidden, index, weights = (list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs])[:3]
-        tokens = (rows.to(hidden.device) * (hidden.shape[0] // batch) + positions.to(hidden.device))
-        data["hidden"], data["index"], data["weights"] = hidden[tokens].float(), index[tokens], weights[tokens].float()
+        data.update(_read_experts(layer, planned, rows, positions))
         if term.shared is not None and not term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
         if term.shared_gate is not None:
@@ -194,6 +192,36 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     if term.post_norm is not None:
         data["post_norm"] = _frozen(module_at(layer, term.post_norm), rows, positions, batch)
     return data
+
+
+def _read_experts(layer, planned: PlannedTerm, rows, positions) -> dict:
+    """The attributed tokens' expert inputs, experts and routing weights, from the experts module's own inputs.
+
+    Returns ``hidden`` (``[batch, d]``, or ``[batch, k, d]`` one row per slot when the inputs are router-scaled),
+    ``index [batch, k]`` (``E``: no expert) and ``weights [batch, k]``.
+    """
+    term, batch = planned.term, rows.shape[0]
+    args, kwargs = module_at(layer, term.projection).inputs
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args) + [kwargs[k] for k in names if k in kwargs]
+    hidden = values[0]
+    if term.layout.scaled_inputs:  # every expert on every token, each row pre-multiplied by its routing score
+        hidden = hidden.reshape(planned.experts, -1, hidden.shape[-1])  # [E, tokens, d]
+        tokens = rows.to(hidden.device) * (hidden.shape[1] // batch) + positions.to(hidden.device)
+        routed = hidden[:, tokens].transpose(0, 1).float()  # [batch, E, d]
+        index = torch.arange(planned.experts, device=routed.device).expand(batch, -1)
+        index = torch.where((routed != 0).any(-1), index, planned.experts)  # a zero row: not routed
+        return {"hidden": routed, "index": index, "weights": torch.ones(index.shape, device=routed.device)}
+    if len(values) < 3:
+        raise FamilyTableError(
+            f"the experts module {term.projection} was called with {len(values)} input(s), not (hidden, top_k_index, "
+            "top_k_weights): its family table entry's ExpertsLayout does not describe it (router-scaled inputs?)"
+        )
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, d] (DBRX passes [batch, pos, d])
+    index, weights = values[1], values[2]
+    index, weights = index.reshape(hidden.shape[0], -1), weights.reshape(hidden.shape[0], -1)
+    tokens = rows.to(hidden.device) * (hidden.shape[0] // batch) + positions.to(hidden.device)
+    return {"hidden": hidden[tokens].float(), "index": index[tokens], "weights": weights[tokens].float()}
 
 
 def _read_routed(layer, term, rows, positions) -> dict:
@@ -255,37 +283,67 @@ def _linear_pullback(module, u: torch.Tensor, transposed: bool):
     return matmul_f32(u, weight, transpose=transposed), constant
 
 
+def _expert_weight(experts, path: str, e: int, count: int) -> torch.Tensor:
+    """Expert ``e``'s slice of the weight at ``path`` below the experts module (``[E, a, b]`` or ``[E * a, b]``)."""
+    weight = module_at(experts, path)
+    return weight.view(count, -1, weight.shape[-1])[e] if weight.dim() == 2 else weight[e]
+
+
+def _expert_activations(experts, layout, e: int, count: int, x: torch.Tensor) -> torch.Tensor:
+    """``[rows, I]``: expert ``e``'s neurons on its input rows ``x [rows, d]``, as ``layout`` says it computes them."""
+
+    def project(path):
+        return matmul_f32(x, _expert_weight(experts, path, e, count), transpose=path not in layout.transposed)
+
+    if layout.gate_up is None:  # separate gate and up weights
+        return module_at(experts, layout.activation)(project(layout.gate)) * project(layout.up)
+    fused = project(layout.gate_up)  # [rows, 2I]
+    if layout.gate_up_bias is not None:
+        fused = fused + module_at(experts, layout.gate_up_bias)[e].float().to(fused.device)
+    if layout.gating is not None:  # the module's own gating function: its halves, clamps, scales
+        return getattr(experts, layout.gating)(fused)
+    gate, up = fused.chunk(2, dim=-1)
+    return module_at(experts, layout.activation)(gate) * up
+
+
 def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.Tensor):
     """``(parts [batch, E or E * d_expert (+ shared)], rest)`` for a fused mixture of experts, at one token per row.
 
     Each routed expert's neurons are recomputed from the model's own routing (the experts module's inputs) and
-    weights: ``act = act_fn(gate) * up`` of ``gate_up_proj[e] @ x``; the expert writes ``w * down_proj[e] @ act``.
+    weights, as the term's ``ExpertsLayout`` describes them; the expert writes ``w * (down[e] @ act + down_bias[e])``.
+    A down bias belongs to its expert's part (``by="expert"``) or to the term's rest (``by="neuron"``).
     """
-    term = planned.term
+    term, layout = planned.term, planned.term.layout
     experts = module_at(layer, term.projection)
-    gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, d], [E, d, I]
-    limit = getattr(experts._module, "limit", None)  # a SwiGLU clamp (DeepSeek-V4)
-    u, hidden = u.to(down.device), data["hidden"].to(down.device)
+    down = module_at(experts, layout.down)
+    count = planned.experts
+    v = u.to(down.device) * planned.routed_scale if planned.routed_scale != 1.0 else u.to(down.device)
+    hidden = data["hidden"].to(down.device)
     index, weights = data["index"].to(down.device), data["weights"].to(down.device)
-    routed = index < planned.experts  # index E means "no expert" (a dropped slot)
-    neurons = torch.zeros(u.shape[0], planned.experts, planned.expert_width, device=down.device)
+    routed = index < count  # index E means "no expert" (a dropped slot)
+    neurons = torch.zeros(u.shape[0], count, planned.expert_width, device=down.device)
+    biases = torch.zeros(u.shape[0], count, device=down.device)
     for e in torch.unique(index[routed]).tolist():  # only the experts that fired: at most batch * top_k
-        weight = (weights * ((index == e) & routed)).sum(-1)  # [batch] this expert's routing weight
-        rows = weight.nonzero()[:, 0]
-        gate, up = matmul_f32(hidden[rows], gate_up[e], transpose=True).chunk(2, dim=-1)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        act = experts.act_fn(gate) * up  # [rows, I]
-        written = matmul_f32(u[rows], down[e])  # each neuron's output column, read along u: [rows, I]
-        neurons[rows, e] = weight[rows, None] * act * written
-    neurons = neurons.to(u.device)
-    parts = [neurons.sum(-1) if mode == "experts" else neurons.flatten(1)]
-    rest: torch.Tensor | float = 0.0
+        rows, slots = ((index == e) & routed).nonzero(as_tuple=True)  # a token routes to an expert at most once
+        weight = weights[rows, slots]  # [rows] this expert's routing weight
+        x = hidden[rows, slots] if hidden.dim() == 3 else hidden[rows]
+        act = _expert_activations(experts, layout, e, count, x)  # [rows, I]
+        w_down = _expert_weight(experts, layout.down, e, count)
+        written = matmul_f32(v[rows], w_down, transpose=layout.down in layout.transposed)  # [rows, I] along v
+        neurons[rows, e] = weight[:, None] * act.to(down.device) * written
+        if layout.down_bias is not None:
+            biases[rows, e] = weight * _dot(v[rows], module_at(experts, layout.down_bias)[e].float())
+    neurons, biases = neurons.to(u.device), biases.to(u.device)
+    if mode == "experts":
+        parts, rest = [neurons.sum(-1) + biases], 0.0
+    else:
+        parts, rest = [neurons.flatten(1)], biases.sum(-1)
     if term.shared is not None:
-        pulled, rest = _linear_pullback(module_at(layer, term.shared), u, transposed=False)
+        s = u * planned.shared_scale if planned.shared_scale != 1.0 else u
+        pulled, bias = _linear_pullback(module_at(layer, term.shared), s, transposed=False)
         gate = data["gate"].to(pulled.device) if "gate" in data else 1.0
         shared = data["shared"].to(pulled.device) * pulled * gate
-        rest = rest * (gate[:, 0] if "gate" in data else 1.0)
+        rest = rest + bias * (gate[:, 0] if "gate" in data else 1.0)
         parts.append(shared.sum(-1, keepdim=True) if mode == "experts" else shared)
     return torch.cat([p.to(u.device) for p in parts], -1), rest
 

@@ -76,6 +76,15 @@ FAMILIES: tuple[str, ...] = (
     "deepseek_v4",
     "zamba2",
     "jetmoe",
+    # fam2 (issue 12)
+    "gpt_oss",
+    "aria_text",
+    "llama4_text",
+    "minimax_m3_vl_text",
+    "cohere2_moe",
+    "falcon_h1",
+    "dbrx",
+    "gemma4_moe_ple",
 )
 
 
@@ -448,6 +457,124 @@ def _cfg_jetmoe():
     )
 
 
+# --- fam2 (issue 12): experts with their own layouts, and composed optional terms ----------------------------------
+
+
+def _cfg_gpt_oss():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        **_llama_like(
+            head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], swiglu_limit=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    )
+
+
+def _cfg_aria_text():
+    from transformers import AriaTextConfig
+
+    return AriaTextConfig(**_llama_like(intermediate_size=32, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2))
+
+
+def _cfg_llama4_text():
+    from transformers import Llama4TextConfig
+
+    # MoE blocks first (Llama-4 Scout) and a dense one (Maverick interleaves them); NoPE layers; chunked attention;
+    # temperature tuning (floor_scale past the prompts, as on the real models, where it is 8192)
+    return Llama4TextConfig(
+        **_llama_like(
+            head_dim=16, intermediate_size=32, intermediate_size_mlp=INTER, num_local_experts=4,
+            num_experts_per_tok=1, moe_layers=[0, 2], no_rope_layers=[1, 0, 1], attention_chunk_size=4, floor_scale=MAX_POS,
+        )
+    )
+
+
+def _cfg_minimax_m3_vl_text():
+    from transformers import MiniMaxM3VLTextConfig
+
+    return MiniMaxM3VLTextConfig(
+        **_llama_like(
+            head_dim=16, intermediate_size=32, dense_intermediate_size=INTER, shared_intermediate_size=48,
+            num_local_experts=4, num_experts_per_tok=2, mlp_layer_types=["dense", "sparse", "sparse"],
+            routed_scaling_factor=1.7, swiglu_limit=0.5, tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_cohere2_moe():
+    from transformers import Cohere2MoeConfig
+
+    return Cohere2MoeConfig(
+        **_llama_like(
+            intermediate_size=32, prefix_dense_intermediate_size=INTER, num_experts=4, num_experts_per_tok=2,
+            num_shared_experts=1, shared_expert_combination_strategy="average",
+            mlp_layer_types=["dense", "sparse", "sparse"], logit_scale=0.3, tie_word_embeddings=True,
+        )
+    )
+
+
+def _cfg_falcon_h1():
+    from transformers import FalconH1Config
+
+    return FalconH1Config(
+        **_llama_like(
+            head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4,
+            mlp_multipliers=[1.3, 0.7], attention_out_multiplier=0.8, ssm_out_multiplier=0.6,
+            attention_in_multiplier=1.2, lm_head_multiplier=0.9, embedding_multiplier=1.5,
+        )
+    )
+
+
+def _cfg_dbrx():
+    from transformers import DbrxConfig
+
+    return DbrxConfig(
+        d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, max_seq_len=MAX_POS, vocab_size=VOCAB, pad_token_id=PAD_ID,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        attn_config={"kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0},
+        ffn_config={"hidden_size": HIDDEN, "ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    )
+
+
+def _cfg_gemma4_moe_ple():
+    from transformers import Gemma4TextConfig
+
+    # both the MoE block and per-layer inputs (no released checkpoint has both; transformers builds it)
+    return Gemma4TextConfig(
+        **_llama_like(
+            head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            final_logit_softcapping=SOFTCAP, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=True,
+        )
+    )
+
+
+FAM2_CONFIGS: dict[str, Callable[[], Any]] = {
+    "gpt_oss": _cfg_gpt_oss,
+    "aria_text": _cfg_aria_text,
+    "llama4_text": _cfg_llama4_text,
+    "minimax_m3_vl_text": _cfg_minimax_m3_vl_text,
+    "cohere2_moe": _cfg_cohere2_moe,
+    "falcon_h1": _cfg_falcon_h1,
+    "dbrx": _cfg_dbrx,
+    "gemma4_moe_ple": _cfg_gemma4_moe_ple,
+}
+FAM2_MODEL_CLASSES: dict[str, str] = {
+    "gpt_oss": "GptOssForCausalLM",
+    "aria_text": "AriaTextForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
+    "cohere2_moe": "Cohere2MoeForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "dbrx": "DbrxForCausalLM",
+    "gemma4_moe_ple": "Gemma4ForCausalLM",
+}
+# --- end fam2 --------------------------------------------------------------------------------------------------------
+
+
 _CONFIGS: dict[str, Callable[[], Any]] = {
     "gpt2": _cfg_gpt2,
     "llama": _cfg_llama,
@@ -487,6 +614,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "deepseek_v4": _cfg_deepseek_v4,
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
+    **FAM2_CONFIGS,
 }
 
 _MODEL_CLASSES: dict[str, str] = {
@@ -528,6 +656,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "deepseek_v4": "DeepseekV4ForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
+    **FAM2_MODEL_CLASSES,
 }
 
 
