@@ -12,8 +12,17 @@ must come before the first ``import nnterp``.
 from . import _compat  # noqa: F401  (must run before anything imports nnterp)
 from .api import attribute, attribute_direction, load
 from .attribution import Attribution
-from .errors import DLAError, ExactnessError, FamilyTableError, InputError, RemoteError, UnknownFamilyError
+from .errors import (
+    DLAError,
+    ExactnessError,
+    FamilyTableError,
+    InputError,
+    RemoteError,
+    TraceUsageError,
+    UnknownFamilyError,
+)
 from .families import FAMILIES, Family, LayerKind, Term, family_of
+from .in_trace import TracedAttribution, trace_attribution
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .plan import Plan, build_plan
 from .readers import (
@@ -28,11 +37,12 @@ from .readers import (
 from .recipe import Readout, decompose, direct_logit_attribution, direction_attribution
 
 __all__ = [
-    "attribute", "attribute_direction", "load", "Attribution",
+    "attribute", "attribute_direction", "load", "Attribution", "trace_attribution", "TracedAttribution",
     "direct_logit_attribution", "direction_attribution", "decompose", "Readout", "build_plan", "Plan",
     "FrozenNorm", "NormProbe", "probe_norm",
     "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "family_of",
     "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError",
+    "TraceUsageError",
 ]

@@ -132,7 +132,7 @@ def remote_error(error: BaseException, remote) -> RemoteError:
     return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
 
 
-def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
+def run_trace(model, plan, batch, recipe, args: tuple, remote=False, intervene=None) -> Readout:
     """One trace of ``batch`` running ``recipe(model, *args)`` (an in-trace function returning a ``Readout``).
 
     The head runs on the last positions the batch attributes only (transformers' ``logits_to_keep``), where the
@@ -140,6 +140,11 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
 
     ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
     ``[batch, n_components + 6]`` tensor comes back.
+
+    ``intervene``: ``fn(model)``, nnsight code editing the forward pass (see ``attribute``). It runs in the invoke
+    that carries the batch and the recipe in a second, empty invoke over the same rows: an invoke reads modules in
+    forward order, so the recipe (which reads every block from the first) cannot share one with an edit at a later
+    block, and the edits of the first invoke are made before the second reads the same site.
     """
     trace_kwargs = {}
     if remote:
@@ -148,9 +153,17 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     if plan.family.logits_to_keep and _keeps_logits(model):  # only the attributed positions need logits
         trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
     try:
-        with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
-            packed = recipe(model, *args).pack()
-            packed = nnsight.save(packed)
+        if intervene is None:
+            with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
+                packed = recipe(model, *args).pack()
+                packed = nnsight.save(packed)
+        else:
+            with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
+                with tracer.invoke(dict(batch.encoding)):
+                    intervene(model)
+                with tracer.invoke():
+                    packed = recipe(model, *args).pack()
+                    packed = nnsight.save(packed)
     except Exception as error:
         if not remote or isinstance(error, DLAError):
             raise
@@ -177,7 +190,8 @@ def _prompts(prompts) -> list[str]:
     return prompts
 
 
-def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None) -> Attribution:
+def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
+                 intervene=None) -> Attribution:
     """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label."""
     if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
         warnings.warn(
@@ -193,7 +207,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
     else:
         batches_iter = batches
-    readouts = [run_trace(model, plan, batch, recipe, make_args(batch), remote) for batch in batches_iter]
+    readouts = [run_trace(model, plan, batch, recipe, make_args(batch), remote, intervene) for batch in batches_iter]
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
            for name in ("values", "constant", "logit", "output_logit", "scale")},
@@ -235,6 +249,7 @@ def attribute(
     batch_size: int | None = None,
     progress: bool | None = None,
     tolerance: float | None = None,
+    intervene=None,
 ) -> Attribution:
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -251,12 +266,21 @@ def attribute(
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
         progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
+        intervene: ``fn(model)``, nnsight code run in the same forward pass before the attribution reads it: set
+            or edit any module's input or output, at any block, in any order (zero a head's slice of ``o_proj``'s
+            input, patch in a value computed earlier, add a steering vector to a block's output). The attribution
+            is then of the *edited* forward pass: its parts sum to the edited model's own logit, and an ablated
+            head's direct part is 0. It runs once per batch (``batch_size``) on that batch's rows, and with
+            ``remote`` it travels with the request (by its source: give a ``def`` or a lambda, and pass the tensors
+            it uses as defaults or globals).
 
     Returns:
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
     check_granularity(by)
+    if intervene is not None and not callable(intervene):
+        raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
     prompts = _prompts(prompts)
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
@@ -268,6 +292,7 @@ def attribute(
     return _run_batches(
         model, plan, batches, direct_logit_attribution,
         lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
+        intervene=intervene,
     )
 
 

@@ -25,3 +25,8 @@ class ExactnessError(DLAError, RuntimeError):
 
 class RemoteError(DLAError, RuntimeError):
     """A remote (NDIF) run failed: key, host, model or a server-side exception, named in the message."""
+
+
+class TraceUsageError(DLAError, RuntimeError):
+    """An in-trace recipe called where it cannot run (outside a trace, inside an invoke, before its prompts): the
+    message says where to call it instead."""
