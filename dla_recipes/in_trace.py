@@ -29,15 +29,20 @@ with the batch exactly as nnsight assembles it from the invokes (its padding, it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import nnsight
 import torch
 
-from .attribution import Attribution
+from .api import TOLERANCE, _model_dtype
 from .errors import TraceUsageError
+from .families import family_of
 from .inputs import prepare_encoding
-from .plan import Granularity, Plan, build_plan, check_granularity
-from .recipe import Readout, direct_logit_attribution
+from .plan import Granularity, Plan, _build_plan, check_granularity
+from .recipe import direct_logit_attribution
+
+if TYPE_CHECKING:
+    from .attribution import Attribution
 
 _WHERE = (
     "call dla_recipes.trace_attribution(tracer, ...) at the top level of `with model.trace() as tracer:`, after "
@@ -68,7 +73,12 @@ class TracedAttribution:
     def result(self) -> Attribution:
         """The ``Attribution`` of the traced (edited) forward pass, self-checked: raises ``ExactnessError`` when
         the parts do not sum to the model's own logit, ``TraceUsageError`` before the trace has run."""
-        from .api import check_exact
+        # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
+        # and the Attribution must be the client's own class
+        from dla_recipes.api import check_exact
+        from dla_recipes.attribution import Attribution
+        from dla_recipes.errors import TraceUsageError
+        from dla_recipes.recipe import Readout
 
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
@@ -156,13 +166,11 @@ def trace_attribution(
         A ``TracedAttribution``; after the trace, ``.result()`` is the ``Attribution`` (labels, ``error``,
         ``top``, ``to_frame``), self-checked against the edited model's own logit.
     """
-    from .api import TOLERANCE, _model_dtype
-
     check_granularity(by)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
     batch = prepare_encoding(model, encoding, target, contrast, position)
-    plan = build_plan(model)
+    plan = _build_plan(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
     shape = tuple(encoding["input_ids"].shape)
     handle = TracedAttribution(
         plan=plan, by=by, prompts=batch.prompts, target_tokens=batch.target_tokens,
