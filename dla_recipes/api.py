@@ -289,11 +289,25 @@ def attribute(
         prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
         for c in _chunks(len(prompts), batch_size)
     ]
-    return _run_batches(
-        model, plan, batches, direct_logit_attribution,
-        lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
-        intervene=intervene,
-    )
+    try:
+        return _run_batches(
+            model, plan, batches, direct_logit_attribution,
+            lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
+            intervene=intervene,
+        )
+    except ExactnessError as error:
+        if intervene is None:
+            raise
+        raise ExactnessError(f"{error}\n\n{EDIT_HINT}") from error
+
+
+# What an ExactnessError most likely means when the forward pass was edited.
+EDIT_HINT = (
+    "The forward pass was edited: an edit that adds to the residual stream itself (a block's output, "
+    "layers_output, nnterp's model.steer) writes a vector that no component wrote, so the parts cannot sum to the "
+    "logit. Add it to what a sublayer writes instead (e.g. model.layers[i].mlp.output), where it is attributed to "
+    "that sublayer."
+)
 
 
 def attribute_direction(

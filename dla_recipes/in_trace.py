@@ -75,15 +75,18 @@ class TracedAttribution:
         the parts do not sum to the model's own logit, ``TraceUsageError`` before the trace has run."""
         # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
         # and the Attribution must be the client's own class
-        from dla_recipes.api import check_exact
+        from dla_recipes.api import EDIT_HINT, check_exact
         from dla_recipes.attribution import Attribution
-        from dla_recipes.errors import TraceUsageError
+        from dla_recipes.errors import ExactnessError, TraceUsageError
         from dla_recipes.recipe import Readout
 
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
         readout = Readout.unpack(self.packed)
-        error = check_exact(readout, self.plan, self.by, None, self.tolerance)
+        try:
+            error = check_exact(readout, self.plan, self.by, None, self.tolerance)
+        except ExactnessError as failed:
+            raise ExactnessError(f"{failed}\n\n{EDIT_HINT}") from failed
         return Attribution(
             values=readout.values.float(),
             labels=self.plan.labels(self.by),

@@ -16,9 +16,9 @@ import secrets
 import nnsight
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 from dla_recipes import TraceUsageError, models
 from dla_recipes.plan import module_at
 
@@ -192,29 +192,25 @@ def test_intervene_with_batches():
 
 def test_misuse_raises_trace_usage_error():
     model = tiny_model("llama")
-    with pytest.raises(TraceUsageError, match="inside a `with tracer.invoke"):
-        with model.trace() as tracer:
-            with tracer.invoke(PROMPTS):
-                model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
-                dla_recipes.trace_attribution(tracer, TARGET)
-    with pytest.raises(TraceUsageError, match=r"model.trace\(prompts\)"):
-        with model.trace(PROMPTS) as tracer:
+    with pytest.raises(TraceUsageError, match="inside a `with tracer.invoke"), model.trace() as tracer:
+        with tracer.invoke(PROMPTS):
             model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
             dla_recipes.trace_attribution(tracer, TARGET)
+    with pytest.raises(TraceUsageError, match=r"model.trace\(prompts\)"), model.trace(PROMPTS) as tracer:
+        model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
+        dla_recipes.trace_attribution(tracer, TARGET)
     with pytest.raises(TraceUsageError, match="running trace"):
         dla_recipes.trace_attribution(model, TARGET)
-    with pytest.raises(TraceUsageError, match="no prompts yet"):
-        with model.trace() as tracer:
-            dla_recipes.trace_attribution(tracer, TARGET)
-            with tracer.invoke(PROMPTS):
-                pass
-    with pytest.raises(TraceUsageError, match="an invoke was added after it"):
-        with model.trace() as tracer:
-            with tracer.invoke(PROMPTS[:1]):
-                pass
-            dla_recipes.trace_attribution(tracer, TARGET)
-            with tracer.invoke(PROMPTS[1:]):
-                pass
+    with pytest.raises(TraceUsageError, match="no prompts yet"), model.trace() as tracer:
+        dla_recipes.trace_attribution(tracer, TARGET)
+        with tracer.invoke(PROMPTS):
+            pass
+    with pytest.raises(TraceUsageError, match="an invoke was added after it"), model.trace() as tracer:
+        with tracer.invoke(PROMPTS[:1]):
+            pass
+        dla_recipes.trace_attribution(tracer, TARGET)
+        with tracer.invoke(PROMPTS[1:]):
+            pass
     with pytest.raises(dla_recipes.InputError, match="intervene must be a function"):
         dla_recipes.attribute(model, PROMPTS, TARGET, intervene="zero L1.H1")
     handle = dla_recipes.TracedAttribution(dla_recipes.build_plan(model), "block", (), (), None, (), 1e-4)
