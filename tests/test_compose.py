@@ -130,6 +130,43 @@ def test_patched_head_against_hooked_forward(family):
     assert (plain.logit - attr.logit).abs().max() > 1e-4, "the patch changed nothing: the test could not fail"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gptj"])
+def test_steering_what_a_block_writes_is_exact(family):
+    """A vector added to what block 0's MLP writes (at the last token) is attributed to L0.mlp: exact against a torch
+    forward hook adding it; the same vector added to the stream between blocks is written by no component, and the
+    self-check refuses it."""
+    model = tiny_model(family)
+    vector = torch.linspace(-2.0, 2.0, model.config.hidden_size)
+
+    def steer(m):
+        m.layers[0].mlp.output[:, -1] += vector
+
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, intervene=steer)
+    mlp = model.layers[0].mlp._module
+
+    def add(_, args, out):
+        out = out.clone()
+        out[0, -1] += vector
+        return out
+
+    references = []
+    for prompt in PROMPTS:
+        handle = mlp.register_forward_hook(add)
+        try:
+            references.append(hooked_logit(model, prompt, 0, "mlp", lambda x: None))
+        finally:
+            handle.remove()
+    assert_exact(attr, torch.tensor(references))
+    plain = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+    assert (plain.logit - attr.logit).abs().max() > 1e-4, "the vector changed nothing: the test could not fail"
+
+    def steer_stream(m):
+        m.layers[0].output[:, -1] += vector
+
+    with pytest.raises(dla_recipes.ExactnessError, match="adds to the residual stream itself"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, intervene=steer_stream)
+
+
 def test_patch_in_one_trace_equals_intervene():
     """The documented clean/corrupt recipe: two invokes (corrupt, then clean: read the site, then assign), then
     trace_attribution over both; the clean rows equal attribute(intervene=) with the patched value put in."""
@@ -192,7 +229,7 @@ def test_intervene_with_batches():
 
 def test_misuse_raises_trace_usage_error():
     model = tiny_model("llama")
-    with pytest.raises(TraceUsageError, match="inside a `with tracer.invoke"), model.trace() as tracer:
+    with pytest.raises(TraceUsageError, match="inside a `with tracer.invoke"), model.trace() as tracer:  # noqa: SIM117
         with tracer.invoke(PROMPTS):
             model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
             dla_recipes.trace_attribution(tracer, TARGET)

@@ -1,7 +1,6 @@
 # Title: Ablate, then attribute
 # Zero each of the top 5 heads in turn and compare its direct part with the change of the logit difference: direct attribution is not the causal effect.
 import plotly.graph_objects as go
-import torch
 
 import dla_recipes
 from dla_recipes import models, plots
@@ -31,7 +30,8 @@ for label in heads:
 
 span = max(map(abs, direct + total)) * 1.15
 fig = go.Figure([
-    go.Scatter(x=[span, -span], y=[-span, span], mode="lines", line=dict(dash="dot", color="gray"), name="change = −direct"),
+    go.Scatter(x=[span, -span], y=[-span, span], mode="lines", line={"dash": "dot", "color": "gray"},
+               name="change = −direct"),
     go.Scatter(x=direct, y=total, mode="markers+text", text=heads, textposition="top center", name="head"),
 ])
 fig.update_layout(template="plotly_white", height=440, xaxis_title="direct part", yaxis_title="change when ablated",
