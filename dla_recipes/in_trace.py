@@ -1,7 +1,7 @@
 """The in-trace recipe as a user calls it: one call inside your own trace, after your own edits.
 
     with model.trace() as tracer:
-        with tracer.invoke(prompts):                           # your prompts, and any edits, in any order
+        with tracer.invoke(prompts):                           # your prompts and your edits (forward order)
             model.layers[29].self_attn.o_proj.input[:, :, 64:128] = 0
         dla = dla_recipes.trace_attribution(tracer, " Paris", contrast=" Rome", by="head")
     attr = dla.result()                                        # an Attribution of the edited forward pass
