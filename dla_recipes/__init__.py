@@ -22,8 +22,8 @@ from .errors import (
     UnknownFamilyError,
 )
 from .families import FAMILIES, Family, LayerKind, Term, family_of
-from .in_trace import TracedAttribution, trace_attribution
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
+from .in_trace import TracedAttribution, trace_attribution
 from .plan import Plan, build_plan
 from .readers import (
     attention_head_outputs,
@@ -35,6 +35,7 @@ from .readers import (
     term_output,
 )
 from .recipe import Readout, decompose, direct_logit_attribution, direction_attribution
+from .remote import RemoteBatchError
 
 __all__ = [
     "attribute", "attribute_direction", "load", "Attribution", "trace_attribution", "TracedAttribution",
@@ -44,5 +45,5 @@ __all__ = [
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "family_of",
     "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError",
-    "TraceUsageError",
+    "RemoteBatchError", "TraceUsageError",
 ]

@@ -19,11 +19,12 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
-from .errors import DLAError, ExactnessError, InputError, RemoteError
+from .errors import ExactnessError, InputError
 from .families import family_of
 from .inputs import per_prompt, prepare
 from .plan import Granularity, build_plan, check_granularity
 from .recipe import Readout, direct_logit_attribution, direction_attribution
+from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
 
 # Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -105,33 +106,6 @@ def load(model, tokenizer=None, **kwargs):
         fake_tensor_log.setLevel(level)
 
 
-def _register_for_remote() -> None:
-    """Ship dla_recipes by value: an NDIF server has nnsight and torch, not this package."""
-    import dla_recipes
-
-    nnsight.register(dla_recipes)
-
-
-def _remote_host(remote) -> str:
-    return remote if isinstance(remote, str) else str(nnsight.CONFIG.API.HOST)
-
-
-def remote_error(error: BaseException, remote) -> RemoteError:
-    """A ``RemoteError`` naming the cause of a failed remote run: key, host, model, or the server-side exception."""
-    host = _remote_host(remote)
-    text = str(error).strip() or type(error).__name__
-    if isinstance(error, (ConnectionError, TimeoutError)) or "Connection refused" in text:
-        return RemoteError(f"cannot reach the NDIF server at {host}: {text}. Is the host right and the server up?")
-    if "API key" in text or "api key" in text.lower():
-        return RemoteError(
-            f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
-        )
-    if "not hosted" in text or "not running" in text or "not deployed" in text:
-        return RemoteError(f"the NDIF server at {host} does not host this model: {text}")
-    cause = [line for line in text.splitlines() if line.strip()][-1].strip()
-    return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
-
-
 def run_trace(model, plan, batch, recipe, args: tuple, remote=False, intervene=None) -> Readout:
     """One trace of ``batch`` running ``recipe(model, *args)`` (an in-trace function returning a ``Readout``).
 
@@ -139,7 +113,8 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False, intervene=N
     family allows it: every prompt's last token with left padding and ``position=-1``.
 
     ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
-    ``[batch, n_components + 6]`` tensor comes back.
+    ``[batch, n_components + 6]`` tensor comes back; a transient failure (server unreachable, HTTP 5xx) is retried
+    ``remote.RETRIES`` times, anything else raises a ``RemoteError`` naming its cause.
 
     ``intervene``: ``fn(model)``, nnsight code editing the forward pass (see ``attribute``). It runs in the invoke
     that carries the batch and the recipe in a second, empty invoke over the same rows: an invoke reads modules in
@@ -148,26 +123,29 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False, intervene=N
     """
     trace_kwargs = {}
     if remote:
-        _register_for_remote()
+        register_for_remote()
         trace_kwargs["remote"] = remote
     if plan.family.logits_to_keep and _keeps_logits(model):  # only the attributed positions need logits
         trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
-    try:
-        if intervene is None:
-            with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
-                packed = recipe(model, *args).pack()
-                packed = nnsight.save(packed)
-        else:
-            with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
-                with tracer.invoke(dict(batch.encoding)):
-                    intervene(model)
-                with tracer.invoke():
+    attempt = 0
+    while True:  # a transient remote failure is retried a bounded number of times (remote.py)
+        try:
+            if intervene is None:
+                with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
                     packed = recipe(model, *args).pack()
                     packed = nnsight.save(packed)
-    except Exception as error:
-        if not remote or isinstance(error, DLAError):
-            raise
-        raise remote_error(error, remote) from error
+            else:
+                with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
+                    with tracer.invoke(dict(batch.encoding)):
+                        intervene(model)
+                    with tracer.invoke():
+                        packed = recipe(model, *args).pack()
+                        packed = nnsight.save(packed)
+            break
+        except Exception as error:
+            if not remote:
+                raise
+            attempt = retry_or_raise(error, attempt, remote)
     return Readout.unpack(packed)
 
 
@@ -191,8 +169,12 @@ def _prompts(prompts) -> list[str]:
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
-                 intervene=None) -> Attribution:
-    """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label."""
+                 done: tuple = (), intervene=None) -> Attribution:
+    """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label.
+
+    ``done``: readouts of the first batches, already run (``RemoteBatchError.resume``). When remote request ``k``
+    fails for good, a ``RemoteBatchError`` keeps the attribution of the requests that completed and can resume.
+    """
     if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
         warnings.warn(
             f"{plan.family.name}: left padding changes this family's outputs (its recurrent state or routing reads "
@@ -200,14 +182,32 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
             "of different lengths one at a time (batch_size=1) to get each prompt's own logits",
             stacklevel=3,
         )
+    todo = batches[len(done):]
     show = progress if progress is not None else len(batches) > 1
     if show:
         from tqdm.auto import tqdm
 
-        batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
-    else:
-        batches_iter = batches
-    readouts = [run_trace(model, plan, batch, recipe, make_args(batch), remote, intervene) for batch in batches_iter]
+        todo = tqdm(todo, desc=f"DLA by {by}", unit="batch", initial=len(done), total=len(batches))
+    run = lambda batch: run_trace(model, plan, batch, recipe, make_args(batch), remote, intervene)  # noqa: E731
+    readouts, failed, error = run_all(run, todo, remote)
+    readouts = list(done) + readouts
+    if error is None:
+        return _assemble(model, plan, batches, readouts, by, tolerance, stop)
+    k = len(readouts)
+    partial = _assemble(model, plan, batches[:k], readouts, by, tolerance, stop) if readouts else None
+    covered = tuple(range(sum(len(b.prompts) for b in batches[:k])))
+    raise RemoteBatchError(
+        f"request {k + 1} of {len(batches)} failed: {error}\n\nThe {k} request(s) before it completed: their "
+        f"attribution ({len(covered)} prompt(s)) is kept in this error's .partial; call .resume() to send the "
+        f"{len(batches) - k} remaining request(s) and get the whole attribution.",
+        partial=partial, done=covered, failed_batch=k, cause=error,
+        resume=lambda: _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop,
+                                    done=tuple(readouts), intervene=intervene),
+    ) from error
+
+
+def _assemble(model, plan, batches, readouts, by, tolerance, stop) -> Attribution:
+    """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order)."""
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
            for name in ("values", "constant", "logit", "output_logit", "scale")},
@@ -267,12 +267,12 @@ def attribute(
         progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
         intervene: ``fn(model)``, nnsight code run in the same forward pass before the attribution reads it: set
-            or edit any module's input or output, at any block, in any order (zero a head's slice of ``o_proj``'s
-            input, patch in a value computed earlier, add a steering vector to a block's output). The attribution
-            is then of the *edited* forward pass: its parts sum to the edited model's own logit, and an ablated
-            head's direct part is 0. It runs once per batch (``batch_size``) on that batch's rows, and with
-            ``remote`` it travels with the request (by its source: give a ``def`` or a lambda, and pass the tensors
-            it uses as defaults or globals).
+            or edit any module's input or output, at any block (in forward order, nnsight's rule within one
+            function): zero a head's slice of ``o_proj``'s input, patch in a value computed earlier, add a
+            steering vector to what a sublayer writes. The attribution is then of the *edited* forward pass: its
+            parts sum to the edited model's own logit, and an ablated head's direct part is 0. It runs once per
+            batch (``batch_size``) on that batch's rows, and with ``remote`` it travels with the request (by its
+            source: give a ``def`` or a lambda, and pass the tensors it uses as defaults or globals).
 
     Returns:
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
