@@ -6,6 +6,10 @@
         dla = dla_recipes.trace_attribution(tracer, " Paris", contrast=" Rome", by="head")
     attr = dla.result()                                        # an Attribution of the edited forward pass
 
+    with model.trace(prompts) as tracer:                       # or: first, then your edits
+        dla = dla_recipes.trace_attribution(tracer, " Paris", contrast=" Rome", by="head")
+        model.layers[29].self_attn.o_proj.input[:, :, 64:128] = 0
+
 ``trace_attribution`` takes the arguments of ``attribute`` (token strings or ids, ``contrast``, ``position``,
 ``by``) and opens its own empty invoke, which nnsight runs over the whole batch: it reads every block in forward
 order, after the edits your invokes made at the same sites, so the parts sum to the *edited* model's own logit.
@@ -13,12 +17,14 @@ order, after the edits your invokes made at the same sites, so the parts sum to 
 Where it may be called (anything else raises ``TraceUsageError`` saying what to do):
 
 - in ``with model.trace() as tracer:`` (no input to ``trace`` itself), at the top level of the block, **after** the
-  last ``with tracer.invoke(...)`` that adds prompts. Not inside an invoke, and not in ``model.trace(prompts)``:
-  there the whole block is one invoke, which reads modules in forward order, so a recipe that reads block 0 cannot
-  follow an edit at block 29 in it.
-- Edits go in the invokes before it. To edit one row from another (patching), read the site in the invoke that
-  edits it before assigning (``x = module.input`` then ``x[...] = h``), or do it in one invoke over both prompts;
-  an nnsight barrier would let the attribution read the site before the edit.
+  last ``with tracer.invoke(...)`` that adds prompts; or
+- as the **first statement** of ``with model.trace(prompts) as tracer:`` (or of an invoke), before anything reads
+  or edits the model: it then starts its own worker, which nnsight serves after your block at every site, so it
+  sees the edits written after it. Not after an edit in the same block: one block reads modules in forward order,
+  so a recipe that reads block 0 cannot follow an edit at block 29 in it.
+- Edits within one block follow nnsight's rule (forward order). To edit one row from another (patching), read the
+  site in the invoke that edits it before assigning (``x = module.input`` then ``x[...] = h``), or do it in one
+  invoke over both prompts; an nnsight barrier would let the attribution read the site before the edit.
 
 Every row of the batch is attributed (each invoke's prompts, in order), at ``position`` of each row's own tokens,
 with the batch exactly as nnsight assembles it from the invokes (its padding, its positions). Remotely
@@ -28,11 +34,13 @@ with the batch exactly as nnsight assembles it from the invokes (its padding, it
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import nnsight
 import torch
+from greenlet import getcurrent
 
 from .api import TOLERANCE, _model_dtype
 from .errors import TraceUsageError
@@ -45,8 +53,9 @@ if TYPE_CHECKING:
     from .attribution import Attribution
 
 _WHERE = (
-    "call dla_recipes.trace_attribution(tracer, ...) at the top level of `with model.trace() as tracer:`, after "
-    "your `with tracer.invoke(prompts):` blocks (which hold your edits)"
+    "call dla_recipes.trace_attribution(tracer, ...) either at the top level of `with model.trace() as tracer:`, "
+    "after your `with tracer.invoke(prompts):` blocks (which hold your edits), or as the first statement of "
+    "`with model.trace(prompts) as tracer:` (or of an invoke), before your edits"
 )
 
 
@@ -110,28 +119,55 @@ class TracedAttribution:
         return self.result()
 
 
-def _batched_encoding(tracer) -> dict:
-    """``{"input_ids", "attention_mask"}`` ``[batch, seq]``: the batch nnsight will run, from the invokes so far."""
+def _placement(tracer) -> str:
+    """Where the call is: ``"top"`` (the top level of ``model.trace()``, after its invokes) or ``"first"`` (the
+    first statement of a block the model runs: ``model.trace(prompts)`` or an invoke, before it touched the model).
+    Anything else raises ``TraceUsageError``."""
     from nnsight.intervention.tracer import InterleavingTracer
 
     if not isinstance(tracer, InterleavingTracer):
         raise TraceUsageError(f"trace_attribution needs the tracer of a running trace, not a {type(tracer).__name__}: "
                               f"{_WHERE}")
-    envoy = tracer.envoy
-    if envoy is None or tracer.batcher is None:
+    if tracer.envoy is None or tracer.batcher is None:
         raise TraceUsageError(f"the trace is not running (called outside its `with` block?): {_WHERE}")
-    if envoy.interleaver.interleaving:
+    interleaver = tracer.envoy.interleaver
+    if not interleaver.interleaving:
+        if not tracer.batcher.invokes:
+            raise TraceUsageError(f"no prompts yet: {_WHERE}")
+        return "top"
+    worker = getattr(getcurrent(), "mediator", None)
+    mediator = worker() if worker is not None else None
+    if mediator is None or mediator not in interleaver.mediators or mediator.counts_at_start != interleaver.counts:
         raise TraceUsageError(
-            "trace_attribution was called while the model runs: inside a `with tracer.invoke(...)` block or in "
-            "`with model.trace(prompts)` (one invoke, which reads modules in forward order, so the attribution "
-            f"could not read block 0 after an edit at a later block): {_WHERE}"
+            "trace_attribution was called after the model started running: inside a `with tracer.invoke(...)` block "
+            "or in `with model.trace(prompts)`, after code that reads or edits the model (one block reads modules in "
+            f"forward order, so the attribution could not read block 0 after an edit at a later block): {_WHERE}"
         )
-    if not tracer.batcher.invokes:
-        raise TraceUsageError(f"no prompts yet: {_WHERE}")
-    _, kwargs = envoy._batch(tracer.batcher.invokes, tracer.fn)  # nnsight's own tokenization, padding and collation
+    return "first"
+
+
+def _batched_encoding(tracer) -> dict:
+    """``{"input_ids", "attention_mask"}`` ``[batch, seq]``: the batch nnsight will run, from the invokes so far."""
+    _, kwargs = tracer.envoy._batch(tracer.batcher.invokes, tracer.fn)  # nnsight's own tokenization and padding
     if "input_ids" not in kwargs:
         raise TraceUsageError("the invokes' inputs are not token ids or text: trace_attribution attributes text models")
     return {"input_ids": kwargs["input_ids"], "attention_mask": kwargs.get("attention_mask")}
+
+
+def _run_alongside(interleaver, run) -> None:
+    """Start ``run()`` as one more whole-batch worker of the running trace, after the ones already there.
+
+    Called from the first statement of a block: the interleaver is still starting its workers (the model has not
+    run), and it starts one appended to its list too. At every site the workers are served in list order, so this
+    one reads each site after the user's blocks have edited it. (nnsight 0.8's ``Mediator``: a block of code run as
+    a greenlet in step with the model.)
+    """
+    from nnsight.intervention.interleaver import Mediator
+
+    code = compile("_dla_run()", "<dla_recipes.trace_attribution>", "exec")
+    mediator = Mediator(code, {"__builtins__": builtins}, {"_dla_run": run})
+    mediator.batch_group = None  # the whole batch, as an empty invoke
+    interleaver.mediators.append(mediator)
 
 
 def _check_batch(model, shape: tuple) -> None:
@@ -157,8 +193,9 @@ def trace_attribution(
 ) -> TracedAttribution:
     """Attribute the logit of ``target`` (minus ``contrast``) inside your own trace, after your edits.
 
-    Call it in ``with model.trace() as tracer:``, after your ``with tracer.invoke(...)`` blocks (see the module
-    docstring for what is allowed where). The attribution is of the forward pass as your invokes edited it.
+    Call it in ``with model.trace() as tracer:`` after your ``with tracer.invoke(...)`` blocks, or as the first
+    statement of ``with model.trace(prompts) as tracer:`` (see the module docstring for what is allowed where). The
+    attribution is of the forward pass as your code edited it.
 
     Args:
         tracer: the ``tracer`` of ``with model.trace() as tracer:``.
@@ -170,6 +207,7 @@ def trace_attribution(
         ``top``, ``to_frame``), self-checked against the edited model's own logit.
     """
     check_granularity(by)
+    placement = _placement(tracer)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
     batch = prepare_encoding(model, encoding, target, contrast, position)
@@ -181,6 +219,14 @@ def trace_attribution(
         tolerance=tolerance if tolerance is not None else TOLERANCE.get(_model_dtype(model), 1e-4),
     )
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
+    if placement == "first":
+
+        def run():
+            _check_batch(model, shape)
+            handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack())
+
+        _run_alongside(tracer.envoy.interleaver, run)
+        return nnsight.save(handle)
     with tracer.invoke():
         _check_batch(model, shape)
         packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()

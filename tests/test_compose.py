@@ -219,6 +219,28 @@ def test_trace_attribution_equals_intervene():
     assert list(traced.top(3).columns) == ["component", "value", "share"] and traced.to_frame().shape[1] == 3
 
 
+def test_first_statement_of_a_direct_trace():
+    """In ``model.trace(prompts)``, called first: it sees the edits written after it, as attribute(intervene=)."""
+    model = tiny_model("olmo2")
+    path, sl = head_slice(model, LAYER, HEAD)
+    with torch.no_grad(), model.trace(PROMPTS) as tracer:
+        dla = dla_recipes.trace_attribution(tracer, TARGET, contrast=CONTRAST, by="head")
+        model.layers[0].mlp.output[:, -1] *= 1.5
+        module_at(model.layers[LAYER], path).input[:, :, sl] = 0
+        logits = model.output.logits[:, -1].save()
+    traced = dla.result()
+
+    def both(m):
+        m.layers[0].mlp.output[:, -1] *= 1.5
+        module_at(m.layers[LAYER], path).input[:, :, sl] = 0
+
+    called = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head", intervene=both)
+    torch.testing.assert_close(traced.values, called.values, atol=1e-6, rtol=1e-5)
+    assert torch.all(traced.values[:, traced.labels.index(f"L{LAYER}.H{HEAD}")] == 0)
+    own = logits[:, token_id(model, TARGET)] - logits[:, token_id(model, CONTRAST)]  # the edited trace's own output
+    torch.testing.assert_close(traced.output_logit, own.float(), atol=1e-6, rtol=1e-5)
+
+
 def test_intervene_with_batches():
     model = tiny_model("llama")
     edit = ablate_fn(*head_slice(model, LAYER, HEAD))
@@ -229,11 +251,11 @@ def test_intervene_with_batches():
 
 def test_misuse_raises_trace_usage_error():
     model = tiny_model("llama")
-    with pytest.raises(TraceUsageError, match="inside a `with tracer.invoke"), model.trace() as tracer:  # noqa: SIM117
+    with pytest.raises(TraceUsageError, match="after the model started running"), model.trace() as tracer:  # noqa: SIM117
         with tracer.invoke(PROMPTS):
             model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
             dla_recipes.trace_attribution(tracer, TARGET)
-    with pytest.raises(TraceUsageError, match=r"model.trace\(prompts\)"), model.trace(PROMPTS) as tracer:
+    with pytest.raises(TraceUsageError, match=r"as the first statement"), model.trace(PROMPTS) as tracer:
         model.layers[1].self_attn.o_proj.input[:, :, :4] = 0
         dla_recipes.trace_attribution(tracer, TARGET)
     with pytest.raises(TraceUsageError, match="running trace"):
