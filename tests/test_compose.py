@@ -367,3 +367,21 @@ def test_remote_trace_attribution_equals_local(server):
     assert isinstance(remote, dla_recipes.Attribution) and remote.labels == local.labels
     assert remote.prompts == local.prompts == tuple(CORRUPT + PROMPTS)
     torch.testing.assert_close(remote.values, local.values, atol=1e-7, rtol=1e-6)
+
+
+def test_remote_first_statement_equals_local(server):
+    """``model.trace(prompts, remote=True)`` with the call first, then an edit: the same on the server as locally."""
+    from dla_recipes import trace_attribution
+
+    nnsight.register(dla_recipes)
+    results = []
+    for model, remote in ((server.remote_model("llama"), True), (server.local_model("llama"), False)):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(server.client() if remote else single_threaded())
+            with torch.no_grad(), model.trace(PROMPTS, remote=remote) as tracer:
+                dla = trace_attribution(tracer, TARGET, contrast=CONTRAST, by="head")
+                model.layers[1].self_attn.o_proj.input[:, :, 16:32] = 0
+        results.append(dla.result())
+    remote, local = results
+    torch.testing.assert_close(remote.values, local.values, atol=1e-7, rtol=1e-6)
+    assert torch.all(remote.values[:, remote.labels.index("L1.H1")] == 0)
