@@ -105,6 +105,22 @@ def test_ablated_head_against_hooked_forward(family):
     assert (plain - reference).abs().max() > 1e-4, "the edit changed nothing: the test could not fail"
 
 
+def test_ablated_head_bf16():
+    """bf16, as NDIF serves: the self-check holds at bf16's tolerance and the logit is the hooked bf16 forward's."""
+    from dla_recipes.testing import tiny
+
+    model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer())
+    path, sl = head_slice(model, LAYER, HEAD)
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head", intervene=ablate_fn(path, sl))
+
+    def zero(x):
+        x[..., sl] = 0
+
+    reference = torch.tensor([hooked_logit(model, p, LAYER, path, zero) for p in PROMPTS])
+    assert_exact(attr, reference, 5e-2)
+    assert torch.all(attr.values[:, attr.labels.index(f"L{LAYER}.H{HEAD}")] == 0)
+
+
 # -- patch: one head's output at the last token, from a corrupted prompt ------------------------------------------
 
 
