@@ -21,8 +21,10 @@ from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
 from .errors import ExactnessError, InputError
 from .families import family_of
-from .inputs import per_prompt, prepare
-from .plan import Granularity, build_plan, check_granularity
+from .inputs import (
+    check_arguments, check_device_map, check_dtype, check_int, check_prompts, check_source, per_prompt, prepare,
+)
+from .plan import Granularity, build_plan
 from .recipe import Readout, direct_logit_attribution, direction_attribution
 from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
 
@@ -46,13 +48,16 @@ def _tokenizer_for(model, tokenizer):
         return tokenizer
     source = tokenizer or (model if isinstance(model, str) else getattr(model.config, "name_or_path", None))
     if not source:
-        raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
+        raise InputError(
+            f"the {type(model).__name__} has no tokenizer name or folder: load(model, tokenizer=...) with a "
+            "tokenizer object or folder"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as error:  # noqa: BLE001 - say what failed; nnsight would fail later and say less
-        raise ValueError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
+        raise InputError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
 
 
 def _family_kwargs(model) -> dict:
@@ -81,8 +86,9 @@ def load(model, tokenizer=None, **kwargs):
     """Load ``model`` as an nnterp ``StandardizedTransformer`` with the nnsight 0.8 compatibility fix applied.
 
     Args:
-        model: a hub id or local folder (str / path), an already-built transformers model, or a
-            StandardizedTransformer (returned as is).
+        model: a hub id or local folder (str / path), a short name of ``dla_recipes.models`` (``"smollm2"``,
+            ``"gemma3"``), an already-built transformers model, or a StandardizedTransformer (returned as is).
+            A missing folder, or a hub id while the hub is offline or unreachable, is an ``InputError`` at once.
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
             the model without weights for NDIF). The family table's loading needs (a ``RenameConfig`` for Phi,
@@ -92,8 +98,11 @@ def load(model, tokenizer=None, **kwargs):
 
     if isinstance(model, StandardizedTransformer):
         return model
-    if isinstance(model, os.PathLike):
-        model = os.fspath(model)
+    check_device_map(kwargs.get("device_map"))
+    if "dtype" in kwargs:
+        kwargs["dtype"] = check_dtype(kwargs["dtype"])
+    if isinstance(model, (str, os.PathLike)):
+        model = check_source(model)
     kwargs = {**_family_kwargs(model), **kwargs, "tokenizer": _tokenizer_for(model, tokenizer)}
     # nnterp checks its renaming with a fake-tensor scan; on fused MoE experts torch logs a long, harmless error
     # traceback before nnterp falls back to a real trace. Keep it out of the user's output.
@@ -102,6 +111,10 @@ def load(model, tokenizer=None, **kwargs):
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return StandardizedTransformer(model, **kwargs)
+    except OSError as error:  # a hub id the hub does not have, a folder without weights
+        if not isinstance(model, str):
+            raise
+        raise InputError(f"could not load model {model!r}: {error}") from error
     finally:
         fake_tensor_log.setLevel(level)
 
@@ -162,10 +175,7 @@ def _chunks(n: int, size: int | None) -> list[slice]:
 
 
 def _prompts(prompts) -> list[str]:
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise InputError("no prompts given: pass a string or a non-empty list of strings")
-    return prompts
+    return check_prompts(prompts)
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
@@ -254,9 +264,12 @@ def attribute(
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
     Args:
-        model: a ``StandardizedTransformer`` (``dla_recipes.load``).
-        prompts: a string or a list of strings (a batch, padded as nnsight pads).
-        target, contrast: a token string (``" Paris"``) or id; one for all prompts or one per prompt.
+        model: a ``StandardizedTransformer`` (``dla_recipes.load``). A transformers model, an nnsight
+            ``LanguageModel``, a local model folder or a short name (``"smollm2"``) is loaded for you with
+            ``load`` (default dtype and device, once per model); a hub id is refused: ``load`` it first.
+        prompts: a string or a list / tuple / generator of strings (a batch, padded as nnsight pads).
+        target, contrast: a token string (``" Paris"``) or id (an int, numpy integer or integer tensor); one for
+            all prompts or one per prompt (a list, array or tensor). A contrast equal to the target gives 0.
         position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
             never shifts it.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
@@ -278,10 +291,9 @@ def attribute(
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
-    check_granularity(by)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
-    prompts = _prompts(prompts)
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
@@ -341,10 +353,9 @@ def attribute_direction(
     Returns:
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
     """
-    check_granularity(by)
-    prompts = _prompts(prompts)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
-    stop = plan.stop_before(layer, sublayer)
+    stop = plan.stop_before(check_int(layer, "layer"), sublayer)
     reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads
     direction = torch.as_tensor(direction)
     if direction.device.type == "meta":

@@ -93,6 +93,17 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
+def _reached_server(error: BaseException) -> bool:
+    """Whether a failed remote run got an answer from the server (nnsight's ``RemoteError``, an HTTP or websocket
+    error) rather than failing on the client (building the model key, serializing the trace, a bad host URL)."""
+    from nnsight.intervention.backends.remote import RemoteError as ServerError
+
+    if any(_http_status(link) is not None for link in _chain(error)):
+        return True
+    module = type(error).__module__.split(".")[0]
+    return isinstance(error, (ServerError, OSError)) or module in ("httpx", "websocket", "socketio", "engineio")
+
+
 def remote_error(error: BaseException, remote) -> RemoteError:
     """A ``RemoteError`` naming the cause of a failed remote run: key, host, model, or the server-side exception."""
     if isinstance(error, RemoteError):
@@ -101,6 +112,15 @@ def remote_error(error: BaseException, remote) -> RemoteError:
     text = str(error).strip() or type(error).__name__
     if isinstance(error, (ConnectionError, TimeoutError)) or "Connection refused" in text:
         return RemoteError(f"cannot reach the NDIF server at {host}: {text}. Is the host right and the server up?")
+    if not _reached_server(error):  # failed here, before a request reached the server: not a server failure
+        hint = ""
+        if "Repo id must be in the form" in text:
+            hint = (" (a remote model is named by the hub id the server hosts: load it with "
+                    "dla_recipes.load('org/name', remote=True), not from a local folder)")
+        return RemoteError(
+            f"the remote run failed on this machine, before the NDIF server at {host} ran it: "
+            f"{type(error).__name__}: {text}{hint}"
+        )
     if "API key" in text or "api key" in text.lower():
         return RemoteError(
             f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
