@@ -19,10 +19,12 @@ from .errors import (
     InputError,
     LoadError,
     RemoteError,
+    TraceUsageError,
     UnknownFamilyError,
 )
 from .families import FAMILIES, ExpertsLayout, Family, LayerKind, Term, family_of
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
+from .in_trace import TracedAttribution, trace_attribution
 from .plan import Plan, build_plan
 from .readers import (
     attention_head_outputs,
@@ -37,12 +39,12 @@ from .recipe import Readout, decompose, direct_logit_attribution, direction_attr
 from .remote import RemoteBatchError
 
 __all__ = [
-    "attribute", "attribute_direction", "load", "Attribution",
+    "attribute", "attribute_direction", "load", "Attribution", "trace_attribution", "TracedAttribution",
     "direct_logit_attribution", "direction_attribution", "decompose", "Readout", "build_plan", "Plan",
     "FrozenNorm", "NormProbe", "probe_norm",
     "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "ExpertsLayout", "family_of",
     "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError", "LoadError",
-    "RemoteBatchError",
+    "RemoteBatchError", "TraceUsageError",
 ]

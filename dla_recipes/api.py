@@ -124,7 +124,7 @@ def load(model, tokenizer=None, **kwargs):
         fake_tensor_log.setLevel(level)
 
 
-def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
+def run_trace(model, plan, batch, recipe, args: tuple, remote=False, intervene=None) -> Readout:
     """One trace of ``batch`` running ``recipe(model, *args)`` (an in-trace function returning a ``Readout``).
 
     The head runs on the last positions the batch attributes only (transformers' ``logits_to_keep``), where the
@@ -133,6 +133,11 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
     ``[batch, n_components + 6]`` tensor comes back; a transient failure (server unreachable, HTTP 5xx) is retried
     ``remote.RETRIES`` times, anything else raises a ``RemoteError`` naming its cause.
+
+    ``intervene``: ``fn(model)``, nnsight code editing the forward pass (see ``attribute``). It runs in the invoke
+    that carries the batch and the recipe in a second, empty invoke over the same rows: an invoke reads modules in
+    forward order, so the recipe (which reads every block from the first) cannot share one with an edit at a later
+    block, and the edits of the first invoke are made before the second reads the same site.
     """
     trace_kwargs = {}
     if remote:
@@ -143,9 +148,17 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     attempt = 0
     while True:  # a transient remote failure is retried a bounded number of times (remote.py)
         try:
-            with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
-                packed = recipe(model, *args).pack()
-                packed = nnsight.save(packed)
+            if intervene is None:
+                with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
+                    packed = recipe(model, *args).pack()
+                    packed = nnsight.save(packed)
+            else:
+                with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
+                    with tracer.invoke(dict(batch.encoding)):
+                        intervene(model)
+                    with tracer.invoke():
+                        packed = recipe(model, *args).pack()
+                        packed = nnsight.save(packed)
             break
         except Exception as error:
             if not remote:
@@ -171,7 +184,7 @@ def _prompts(prompts) -> list[str]:
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
-                 done: tuple = ()) -> Attribution:
+                 done: tuple = (), intervene=None) -> Attribution:
     """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label.
 
     ``done``: readouts of the first batches, already run (``RemoteBatchError.resume``). When remote request ``k``
@@ -190,7 +203,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         from tqdm.auto import tqdm
 
         todo = tqdm(todo, desc=f"DLA by {by}", unit="batch", initial=len(done), total=len(batches))
-    run = lambda batch: run_trace(model, plan, batch, recipe, make_args(batch), remote)  # noqa: E731
+    run = lambda batch: run_trace(model, plan, batch, recipe, make_args(batch), remote, intervene)  # noqa: E731
     readouts, failed, error = run_all(run, todo, remote)
     readouts = list(done) + readouts
     if error is None:
@@ -204,7 +217,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         f"{len(batches) - k} remaining request(s) and get the whole attribution.",
         partial=partial, done=covered, failed_batch=k, cause=error,
         resume=lambda: _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop,
-                                    done=tuple(readouts)),
+                                    done=tuple(readouts), intervene=intervene),
     ) from error
 
 
@@ -251,6 +264,7 @@ def attribute(
     batch_size: int | None = None,
     progress: bool | None = None,
     tolerance: float | None = None,
+    intervene=None,
 ) -> Attribution:
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -270,12 +284,21 @@ def attribute(
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
         progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
+        intervene: ``fn(model)``, nnsight code run in the same forward pass before the attribution reads it: set
+            or edit any module's input or output, at any block (in forward order, nnsight's rule within one
+            function): zero a head's slice of ``o_proj``'s input, patch in a value computed earlier, add a
+            steering vector to what a sublayer writes. The attribution is then of the *edited* forward pass: its
+            parts sum to the edited model's own logit, and an ablated head's direct part is 0. It runs once per
+            batch (``batch_size``) on that batch's rows, and with ``remote`` it travels with the request (by its
+            source: give a ``def`` or a lambda, and pass the tensors it uses as defaults or globals).
 
     Returns:
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
     model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
+    if intervene is not None and not callable(intervene):
+        raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
@@ -283,10 +306,25 @@ def attribute(
         prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
         for c in _chunks(len(prompts), batch_size)
     ]
-    return _run_batches(
-        model, plan, batches, direct_logit_attribution,
-        lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
-    )
+    try:
+        return _run_batches(
+            model, plan, batches, direct_logit_attribution,
+            lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
+            intervene=intervene,
+        )
+    except ExactnessError as error:
+        if intervene is None:
+            raise
+        raise ExactnessError(f"{error}\n\n{EDIT_HINT}") from error
+
+
+# What an ExactnessError most likely means when the forward pass was edited.
+EDIT_HINT = (
+    "The forward pass was edited: an edit that adds to the residual stream itself (a block's output, "
+    "layers_output, nnterp's model.steer) writes a vector that no component wrote, so the parts cannot sum to the "
+    "logit. Add it to what a sublayer writes instead (e.g. model.layers[i].mlp.output), where it is attributed to "
+    "that sublayer."
+)
 
 
 def attribute_direction(

@@ -31,3 +31,8 @@ class RemoteError(DLAError, RuntimeError):
 class LoadError(DLAError, RuntimeError):
     """nnterp could not load the model: the message names its model type, the standardized module nnterp could not
     find (layers, ln_final, lm_head, self_attn, mlp) and the ``rename_config`` that would load it, where one would."""
+
+
+class TraceUsageError(DLAError, RuntimeError):
+    """An in-trace recipe called where it cannot run (outside a trace, inside an invoke, before its prompts): the
+    message says where to call it instead."""

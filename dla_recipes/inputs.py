@@ -454,6 +454,8 @@ def check_model(model):
         f"model is a {type(model).__name__}: pass a model loaded with dla_recipes.load(...) (a hub id, a folder "
         "or a transformers model)"
     )
+
+
 def prepare(model, prompts: str | Sequence[str], target, contrast=None, position: int = -1) -> Batch:
     """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens."""
     prompts = check_prompts(prompts)
@@ -466,7 +468,22 @@ def prepare(model, prompts: str | Sequence[str], target, contrast=None, position
         raise InputError("the model has no tokenizer: load it with dla_recipes.load(..., tokenizer=...)")
     encoding = tokenizer(prompts, return_tensors="pt", padding=True)
     encoding = {"input_ids": encoding["input_ids"], "attention_mask": encoding["attention_mask"]}
-    mask = encoding["attention_mask"].bool()
+    return prepare_encoding(model, encoding, target, contrast, position, prompts)
+
+
+def prepare_encoding(model, encoding: dict, target, contrast=None, position: int = -1, prompts=None) -> Batch:
+    """``prepare`` for a batch already tokenized (``encoding``: ``input_ids`` and ``attention_mask``
+    ``[batch, seq]``, padded on either side), e.g. the batch nnsight assembled from a trace's invokes.
+
+    ``prompts``: the texts, for display; default: each row's tokens decoded.
+    """
+    position = check_position(position)
+    tokenizer = model.tokenizer
+    ids = encoding["input_ids"]
+    mask = encoding.get("attention_mask")
+    mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    if prompts is None:
+        prompts = [tokenizer.decode(row[keep]) for row, keep in zip(ids, mask)]
     lengths = mask.sum(-1).tolist()
     check_length(model, lengths)
     positions, own_positions = [], []
