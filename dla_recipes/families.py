@@ -22,6 +22,7 @@ test suite then checks it for exactness against the model's own logits at every 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -52,7 +53,8 @@ class Term:
         post_norm: a norm between ``projection`` and ``output`` (sandwich / post-norm families).
         outer_norm: a norm applied after ``output``, to the sum of this and the block's other terms that name it
             (Gemma-4's ``post_feedforward_layernorm`` over its dense MLP and its experts).
-        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``).
+        multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``), or a computed
+            scalar: a function ``(config, layer_index) -> float`` (MiniCPM3's ``scale_depth / sqrt(layers)``).
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
         stream_scale, stream_bias: parameter paths acting on the stream as this term is added (Doge, ZAYA).
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
@@ -74,6 +76,16 @@ class Term:
         hyper: on a family with parallel residual streams, the hyper-connection run before this term's sublayer:
             its output is ``(post [b, s, streams], comb [b, s, streams, streams], collapsed)``; the streams become
             ``combᵀ streams`` and the term is written into stream ``k`` times ``post[k]``.
+        stream_multiplier: a scalar the stream is multiplied by as this term is added (a config attribute, or a
+            function ``(config, layer_index) -> float``): MiniMax's ``alpha``, Beam's depth-scaled residual.
+        stream_norm: a norm applied to the stream itself before this term is added, whose output is the stream
+            the later terms add onto (MiniMax's ``input_layernorm``, RWKV's embedding norm in block 0). It is frozen
+            at its real input: a linear map ``gain * center(x) * scale + bias`` that carries every earlier term.
+        projection_multiplier: split terms: a scalar (config attribute or function) between ``projection`` and
+            ``output`` (Beam's ``routed_scaling_factor`` after its experts).
+
+    The stream after the term, in full: ``(stream_norm(stream) + stream_bias) * stream_scale * stream_multiplier
+    + write``.
     """
 
     name: str
@@ -82,7 +94,7 @@ class Term:
     projection: str | None = None
     post_norm: str | None = None
     outer_norm: str | None = None
-    multiplier: str | None = None
+    multiplier: str | Callable | None = None
     scale: str | None = None
     bias: str | None = None
     stream_scale: str | None = None
@@ -98,6 +110,9 @@ class Term:
     parallel: bool | str = False
     then: str | None = None
     hyper: str | None = None
+    stream_multiplier: str | Callable | None = None
+    stream_norm: str | None = None
+    projection_multiplier: str | Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,7 @@ class Family:
     rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
+    head_input_over: str | None = None  # lm_head reads the final norm's output over this config value (MiniCPM)
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -181,6 +197,32 @@ def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     flat = head.input_norm(streams.flatten(-2).float())
     mixes = flat @ head.hc_fn.float().T
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
+def depth_scale(config, layer: int) -> float:
+    """MiniCPM's residual scale ``scale_depth / sqrt(num_hidden_layers)`` (a computed scalar)."""
+    return config.scale_depth / math.sqrt(config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class beam_write:  # noqa: N801  (used like a function: ``beam_write(sublayer)(config, layer)``)
+    """Beam's depth-scaled add: the n-th add (``n = 2 (layer + 1) + sublayer``) writes ``write / sqrt(n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        return 1.0 / math.sqrt(2 * (layer + 1) + self.sublayer)
+
+
+@dataclass(frozen=True)
+class beam_stream:  # noqa: N801
+    """Beam's depth-scaled add: the n-th add keeps ``stream * sqrt((n - 1) / n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        n = 2 * (layer + 1) + self.sublayer
+        return math.sqrt((n - 1) / n)
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -308,6 +350,44 @@ FAMILIES: tuple[Family, ...] = (
         padding_safe=False,
         notes="hc_mult parallel residual streams mixed by input-dependent hyper-connections (post, comb) and "
               "collapsed by hc_head; grouped low-rank output projection (o_a_proj, then o_b_proj); clamped-SwiGLU experts."),
+    # --- New term kinds (issue 12): computed scalars, norms on the stream itself, norms without weights
+    Family("minicpm3", ("minicpm3",), _sequential(multiplier=depth_scale), head_input_over="logits_scaling",
+           notes="MLA attention; writes times scale_depth / sqrt(layers) (a computed scalar); embedding times "
+                 "scale_emb; the final norm's output over hidden_size / dim_model_base."),
+    Family("beam", ("beam",), tuple(
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
+                 post_norm="post_attention_layernorm", multiplier=beam_write(0),
+                 stream_multiplier=beam_stream(0), reads="input_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", split, f"mlp.{projection}",
+                 post_norm="post_feedforward_layernorm", multiplier=beam_write(1), stream_multiplier=beam_stream(1),
+                 projection_multiplier=scaling, reads="pre_feedforward_layernorm"),
+        ), when=when)
+        for when, split, projection, scaling in (("mlp.experts", "experts", "experts", "routed_scaling_factor"),
+                                                 (None, "neurons", "down_proj", None))
+    ), softcap="final_logit_softcapping",
+        notes="sandwich norms; each add is depth-scaled: stream * sqrt((n - 1) / n) + write / sqrt(n) for the n-th "
+              "add (computed scalars); experts' sum times routed_scaling_factor before the post-norm."),
+    Family("minimax", ("minimax",), tuple(
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", f"self_attn.{projection}", multiplier=f"{kind}_attn_beta_factor",
+                 stream_multiplier=f"{kind}_attn_alpha_factor", stream_norm="input_layernorm", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier="mlp_beta_factor",
+                 stream_multiplier="mlp_alpha_factor", stream_norm="post_attention_layernorm",
+                 reads="post_attention_layernorm"),
+        ), when=f"self_attn.{projection}")
+        for projection, kind in (("o_proj", "full"), ("out_proj", "linear"))
+    ), notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
+             "itself); lightning (linear) attention on some blocks, softmax attention on the others; MoE MLP."),
+    Family("rwkv", ("rwkv",), (
+        LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
+                   Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),
+        LayerKind((Term("attn", "attention.output", reads="ln1"), Term("mlp", "feed_forward.output", reads="ln2"))),
+    ), padding_safe=False, rename={"model_name": "rwkv", "ln_final_name": "ln_out", "lm_head_name": "head",
+                                   "attn_name": "attention", "mlp_name": "feed_forward"},
+        load_kwargs={"check_renaming": False},
+        notes="RWKV-4 time mixing and channel mixing (no heads; the channel mix gates its output by a receptance, "
+              "so neither splits); block 0 norms the embedding (pre_ln, a norm on the stream itself)."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),

@@ -114,8 +114,14 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
                 v_before = v * _param(layer, term.stream_scale).to(v.device)
             else:
                 v_before = v
+            if planned.stream_multiplier != 1.0:
+                v_before = v_before * planned.stream_multiplier
             if term.stream_bias is not None:
                 constant = _dot(v_before, _param(layer, term.stream_bias))
+            if term.stream_norm is not None:  # its static part; its scale is read in the trace (decompose)
+                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1])
+                constant = constant + _dot(v_before, probe.bias.to(v_before.device))
+                v_before = probe.center(probe.gain.to(v_before.device) * v_before)
             entries.append((v, constant))
             v = v_before
         per_layer[i] = entries[::-1]
@@ -161,8 +167,8 @@ def _at(value: torch.Tensor, rows, positions) -> torch.Tensor:
 
 def _frozen(norm, rows, positions, batch: int) -> FrozenNorm:
     """A norm envoy frozen at its real input at the attributed positions (reads its input, then its output)."""
-    probe = probe_norm(norm)
     stream = _at(read_site(norm, "input", batch), rows, positions)
+    probe = probe_norm(norm, stream.shape[-1])
     return probe.freeze(stream, _at(read_site(norm, "output", batch), rows, positions))
 
 
@@ -170,6 +176,8 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``)."""
     term, batch = planned.term, rows.shape[0]
     data: dict = {}
+    if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
+        data["stream_norm"] = _frozen(module_at(layer, term.stream_norm), rows, positions, batch)
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
         post, comb = module_at(layer, term.hyper).output[:2]
         data["hyper"] = (_at(post, rows, positions), _at(comb, rows, positions))
@@ -304,6 +312,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     if "post_norm" in data:
         rest = rest + _dot(u, data["post_norm"].bias)
         u = data["post_norm"].transpose(u)
+    if planned.projection_multiplier != 1.0:
+        u = u * planned.projection_multiplier
     if term.router is not None:
         parts = _routed_scores(layer, planned, mode, data, u)
         rest = rest + _dot(u, _param(layer, term.projection_bias)) if term.projection_bias else rest
@@ -322,8 +332,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
-    """``(scores [batch, n], hyper)`` of each of one block's terms: all its reads first, in forward order, then the
-    arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None.
+    """``(scores [batch, n], hyper, stream_scale)`` of each of one block's terms: all its reads first, in forward
+    order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
+    None; ``stream_scale`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, else None.
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -336,7 +347,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
             if last == k:
                 outers[path] = _frozen(module_at(layer, path), rows, positions, rows.shape[0])
                 fit_errors.append(outers[path].fit_error)
-    fit_errors.extend(d["post_norm"].fit_error for d in datas if "post_norm" in d)
+    fit_errors.extend(d[key].fit_error for d in datas for key in ("post_norm", "stream_norm") if key in d)
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.outer_norm
@@ -345,13 +356,14 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
-        scores.append((score, datas[k].get("hyper")))
+        stream_norm = datas[k].get("stream_norm")
+        scores.append((score, datas[k].get("hyper"), stream_norm.scale if stream_norm is not None else None))
     return scores
 
 
 def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
     """``(probe, direction [batch, d_model], constant [batch])`` of the final head for these target tokens."""
-    probe: NormProbe = probe_norm(model.ln_final)
+    probe: NormProbe = probe_norm(model.ln_final, model.lm_head.weight.shape[-1])
     weight = model.lm_head.weight
     rows = weight[targets.to(weight.device)].float()
     bias = getattr(model.lm_head, "bias", None)
@@ -361,6 +373,7 @@ def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.T
         if bias is not None:
             head_bias = head_bias - bias[contrasts.to(bias.device)].float()
     rows = rows.to(probe.gain.device)
+    rows = rows * plan.head_input_scale  # lm_head reads the final norm's output times it (MiniCPM)
     direction = plan.logit_scale * probe.center(probe.gain * rows)
     constant = plan.logit_scale * (_dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
     return probe, direction, constant
@@ -387,7 +400,9 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     for i, terms in enumerate(plan.terms_before(stop)):
-        for score, hyper in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+        for score, hyper, stream_scale in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+            if stream_scale is not None:  # a norm on the stream scales everything written before it
+                scores = [s * stream_scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
                 carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
@@ -474,7 +489,7 @@ def direction_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         norm = module_at(model.layers[stop[0]], reads)
-        probe = probe_norm(norm)
+        probe = probe_norm(norm, direction.shape[-1])
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         scores, fit_errors = decompose(model, plan, probe.center(probe.gain * v), positions, by, stop)
         stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)

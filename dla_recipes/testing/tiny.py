@@ -74,6 +74,12 @@ FAMILIES: tuple[str, ...] = (
     "doge",
     "zaya",
     "deepseek_v4",
+    # --- new term kinds (issue 12)
+    "minicpm3",
+    "beam",
+    "minimax",
+    "rwkv",
+    # --- end new term kinds
     "zamba2",
     "jetmoe",
 )
@@ -425,6 +431,57 @@ def _cfg_deepseek_v4():
     )
 
 
+# --- new term kinds (issue 12): computed scalars, norms on the stream, norms without weights ---------------------
+
+
+def _cfg_minicpm3():
+    from transformers import MiniCPM3Config
+
+    return MiniCPM3Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=12, scale_emb=2.5, scale_depth=1.4, dim_model_base=16,
+        )
+    )
+
+
+def _cfg_beam():
+    from transformers import BeamConfig
+
+    return BeamConfig(
+        **_llama_like(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+            mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, final_logit_softcapping=SOFTCAP,
+        )
+    )
+
+
+def _cfg_minimax():
+    from transformers import MiniMaxConfig
+
+    return MiniMaxConfig(
+        **_llama_like(
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            full_attn_alpha_factor=0.7, full_attn_beta_factor=1.3, linear_attn_alpha_factor=0.8,
+            linear_attn_beta_factor=1.2, mlp_alpha_factor=0.9, mlp_beta_factor=1.1,
+        )
+    )
+
+
+def _cfg_rwkv():
+    from transformers import RwkvConfig
+
+    return RwkvConfig(
+        vocab_size=VOCAB, context_length=MAX_POS, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        attention_hidden_size=HIDDEN, intermediate_size=INTER, pad_token_id=PAD_ID, bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+
+
+# --- end new term kinds ------------------------------------------------------------------------------------------
+
+
 def _cfg_zamba2():
     from transformers import Zamba2Config
 
@@ -485,6 +542,12 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "doge": _cfg_doge,
     "zaya": _cfg_zaya,
     "deepseek_v4": _cfg_deepseek_v4,
+    # --- new term kinds (issue 12)
+    "minicpm3": _cfg_minicpm3,
+    "beam": _cfg_beam,
+    "minimax": _cfg_minimax,
+    "rwkv": _cfg_rwkv,
+    # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
 }
@@ -526,6 +589,12 @@ _MODEL_CLASSES: dict[str, str] = {
     "doge": "DogeForCausalLM",
     "zaya": "ZayaForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
+    # --- new term kinds (issue 12)
+    "minicpm3": "MiniCPM3ForCausalLM",
+    "beam": "BeamForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "rwkv": "RwkvForCausalLM",
+    # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
 }
