@@ -147,6 +147,8 @@ class Family:
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
     head_input_over: str | None = None  # lm_head reads the final norm's output over this config value (MiniCPM)
+    final_norm_shared: bool = False  # the final norm module also runs before the blocks (nanochat): its input is
+    # read as the last block's output and its output as lm_head's input
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -379,6 +381,10 @@ FAMILIES: tuple[Family, ...] = (
         for projection, kind in (("o_proj", "full"), ("out_proj", "linear"))
     ), notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
              "itself); lightning (linear) attention on some blocks, softmax attention on the others; MoE MLP."),
+    Family("nanochat", ("nanochat",), _sequential("o_proj", "fc2"), softcap="final_logit_softcapping",
+           final_norm_shared=True, load_kwargs={"check_renaming": False},
+           notes="RMSNorms without weights (probed at the stream's width); the final norm module also norms the "
+                 "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
     Family("rwkv", ("rwkv",), (
         LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
                    Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),

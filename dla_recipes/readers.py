@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .families import Term, family_of
-from .plan import _config, layer_terms, module_at
+from .plan import _config, _scalar, layer_terms, module_at
 
 
 def read_site(layer, site: str, batch_size: int | None = None):
@@ -66,7 +66,7 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
     if term.scale is not None:
         value = value * module_at(layer, term.scale)
     if term.multiplier is not None:
-        value = value * float(getattr(_config(model), term.multiplier))
+        value = value * _scalar(term.multiplier, _config(model), i)
     return value
 
 

@@ -36,7 +36,7 @@ import torch
 
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
-from .readers import layer_input, read_site
+from .readers import layer_input, layer_output, read_site
 
 
 @dataclass
@@ -438,8 +438,12 @@ def direct_logit_attribution(
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         scores, fit_errors = decompose(model, plan, direction, positions, by)
-        stream = model.ln_final.input  # [batch, pos, d_model]
-        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), _at(model.ln_final.output, rows, positions))
+        if plan.family.final_norm_shared:  # the final norm also ran before the blocks: read around it
+            stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
+        else:
+            stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]
+        normed = _at(normed, rows, positions - (stream.shape[1] - normed.shape[1]))
+        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), normed)
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
         head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)

@@ -79,6 +79,7 @@ FAMILIES: tuple[str, ...] = (
     "beam",
     "minimax",
     "rwkv",
+    "nanochat",
     # --- end new term kinds
     "zamba2",
     "jetmoe",
@@ -479,6 +480,12 @@ def _cfg_rwkv():
     )
 
 
+def _cfg_nanochat():
+    from transformers import NanoChatConfig
+
+    return NanoChatConfig(**_llama_like(num_key_value_heads=HEADS, final_logit_softcapping=SOFTCAP))
+
+
 # --- end new term kinds ------------------------------------------------------------------------------------------
 
 
@@ -547,6 +554,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "beam": _cfg_beam,
     "minimax": _cfg_minimax,
     "rwkv": _cfg_rwkv,
+    "nanochat": _cfg_nanochat,
     # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
@@ -594,6 +602,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "beam": "BeamForCausalLM",
     "minimax": "MiniMaxForCausalLM",
     "rwkv": "RwkvForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
     # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
