@@ -227,6 +227,14 @@ class beam_stream:  # noqa: N801
         return math.sqrt((n - 1) / n)
 
 
+def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
+    """HY-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(flat) * rms(flat)^-1 * scale + base) + eps``,
+    computed with the module's own norm and parameters from the streams it reads ``[batch, streams, d_model]``."""
+    flat = streams.flatten(-2).float()
+    mixes = (flat @ head.hc_fn.float().T) * head.input_norm(flat)
+    return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
@@ -385,6 +393,20 @@ FAMILIES: tuple[Family, ...] = (
            final_norm_shared=True, load_kwargs={"check_renaming": False},
            notes="RMSNorms without weights (probed at the stream's width); the final norm module also norms the "
                  "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
+    Family("hy_v4", ("hy_v4",), (
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", hyper="ffn_hc",
+                 reads="post_attention_layernorm"),
+        ), when="mlp.experts"),
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "neurons", "mlp.down_proj", hyper="ffn_hc", reads="post_attention_layernorm"),
+        )),
+    ), collapse="model.hc_head", collapse_weights=hy_head_weights, load_kwargs={"check_renaming": False}, padding_safe=False,
+        notes="hc_mult parallel residual streams (DeepSeek-V4's machinery without the comb mixing: each sublayer "
+              "reads a weighted sum of the streams and writes into stream k times post[k]); collapsed by hc_head; "
+              "MLA attention; dense or MoE + shared experts with a clamped SwiGLU."),
     Family("rwkv", ("rwkv",), (
         LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
                    Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),

@@ -179,8 +179,9 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
         data["stream_norm"] = _frozen(module_at(layer, term.stream_norm), rows, positions, batch)
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
-        post, comb = module_at(layer, term.hyper).output[:2]
-        data["hyper"] = (_at(post, rows, positions), _at(comb, rows, positions))
+        post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
+        comb = _at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
+        data["hyper"] = (_at(post, rows, positions), comb)
     if mode is None:
         data["value"] = _at(read_site(layer, term.output, batch), rows, positions)
         return data
@@ -280,10 +281,14 @@ def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
     for e in torch.unique(index[routed]).tolist():  # only the experts that fired: at most batch * top_k
         weight = (weights * ((index == e) & routed)).sum(-1)  # [batch] this expert's routing weight
         rows = weight.nonzero()[:, 0]
-        gate, up = matmul_f32(hidden[rows], gate_up[e], transpose=True).chunk(2, dim=-1)
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        act = experts.act_fn(gate) * up  # [rows, I]
+        gate_up_out = matmul_f32(hidden[rows], gate_up[e], transpose=True)
+        if hasattr(experts._module, "_apply_gate"):  # the module's own gating (HY-V4's clamped SwiGLU, no act_fn)
+            act = experts._module._apply_gate(gate_up_out)
+        else:
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            act = experts.act_fn(gate) * up  # [rows, I]
         written = matmul_f32(u[rows], down[e])  # each neuron's output column, read along u: [rows, I]
         neurons[rows, e] = weight[rows, None] * act * written
     neurons = neurons.to(u.device)
@@ -405,7 +410,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
                 scores = [s * stream_scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
-                carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
+                if comb is not None:
+                    carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
                 carried.append(post)
             scores.append(score.to(scores[0].device))
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights

@@ -80,6 +80,7 @@ FAMILIES: tuple[str, ...] = (
     "minimax",
     "rwkv",
     "nanochat",
+    "hy_v4",
     # --- end new term kinds
     "zamba2",
     "jetmoe",
@@ -486,6 +487,19 @@ def _cfg_nanochat():
     return NanoChatConfig(**_llama_like(num_key_value_heads=HEADS, final_logit_softcapping=SOFTCAP))
 
 
+def _cfg_hy_v4():
+    from transformers import HYV4Config
+
+    return HYV4Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=12, mlp_layer_types=["dense", "sparse", "sparse"], hc_mult=3, index_topk=2, index_head_dim=8,
+            index_n_heads=2, swiglu_limit=0.5,
+        )
+    )
+
+
 # --- end new term kinds ------------------------------------------------------------------------------------------
 
 
@@ -555,6 +569,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "minimax": _cfg_minimax,
     "rwkv": _cfg_rwkv,
     "nanochat": _cfg_nanochat,
+    "hy_v4": _cfg_hy_v4,
     # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
@@ -603,6 +618,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "minimax": "MiniMaxForCausalLM",
     "rwkv": "RwkvForCausalLM",
     "nanochat": "NanoChatForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
     # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
