@@ -407,6 +407,13 @@ FAMILIES: tuple[Family, ...] = (
         notes="hc_mult parallel residual streams (DeepSeek-V4's machinery without the comb mixing: each sublayer "
               "reads a weighted sum of the streams and writes into stream k times post[k]); collapsed by hc_head; "
               "MLA attention; dense or MoE + shared experts with a clamped SwiGLU."),
+    Family("inkling", ("inkling_text",), (LayerKind((
+        Term("attn", "attn_sconv.output", reads="input_layernorm"),
+        Term("mlp", "mlp_sconv.output", reads="post_attention_layernorm"),
+    )),), head_input_over="logits_mup_width_multiplier",
+        notes="each sublayer's output passes through a causal convolution over positions before it is added (a "
+              "term mixes earlier positions into the attributed one, so neither sublayer splits into heads or "
+              "neurons at one position: block granularity only); lm_head reads the final norm over the mup width."),
     Family("rwkv", ("rwkv",), (
         LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
                    Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),

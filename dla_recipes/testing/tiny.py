@@ -81,6 +81,7 @@ FAMILIES: tuple[str, ...] = (
     "rwkv",
     "nanochat",
     "hy_v4",
+    "inkling",
     # --- end new term kinds
     "zamba2",
     "jetmoe",
@@ -500,6 +501,19 @@ def _cfg_hy_v4():
     )
 
 
+def _cfg_inkling():
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+
+    return InklingTextConfig(
+        **_llama_like(
+            head_dim=16, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=16,
+            sliding_window_size=4, d_rel=4, rel_extent=16, layer_types=None, local_layer_ids=[0, 2],
+            mlp_layer_types=["dense", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=2.5, conv_kernel_size=3,
+        )
+    )
+
+
 # --- end new term kinds ------------------------------------------------------------------------------------------
 
 
@@ -570,6 +584,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "rwkv": _cfg_rwkv,
     "nanochat": _cfg_nanochat,
     "hy_v4": _cfg_hy_v4,
+    "inkling": _cfg_inkling,
     # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
@@ -619,6 +634,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "rwkv": "RwkvForCausalLM",
     "nanochat": "NanoChatForCausalLM",
     "hy_v4": "HYV4ForCausalLM",
+    "inkling": "InklingForCausalLM",
     # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
