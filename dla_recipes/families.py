@@ -460,6 +460,10 @@ def family_of(model_or_config) -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+    if model_type in REFUSED:
+        raise UnknownFamilyError(
+            f"dla_recipes cannot attribute model_type {model_type!r} exactly: {REFUSED[model_type]}"
+        )
     known = ", ".join(sorted(t for f in FAMILIES for t in f.model_types))
     raise UnknownFamilyError(
         f"dla_recipes has no family entry for model_type {model_type!r} ({type(model_or_config).__name__}). "
@@ -467,3 +471,35 @@ def family_of(model_or_config) -> Family:
         "`Family` entry in dla_recipes/families.py (usually one line: see the module docstring) and add a tiny "
         "model for it in dla_recipes/testing/tiny.py; the test suite then checks it against the model's own logits."
     )
+
+
+# Decoder families whose writes no term kind describes exactly: model type -> what is missing (issue 12). ``family_of``
+# raises ``UnknownFamilyError`` with the reason rather than return an attribution that does not sum to the logit.
+REFUSED: dict[str, str] = {
+    "openai-gpt": "its blocks are post-norm (the stream is normed right after each add, ln_1 / ln_2) and the model "
+                  "has no final norm module for nnterp to name ln_final (the last block's ln_2 plays that part); "
+                  "the table has no term kind for a norm after an add and no identity final norm.",
+    "dory": "its recurrent section calls the same decoder layers n_loops times in one forward and re-adds the "
+            "normed input section's output between loops, outside any block; its blocks replace the stream by an "
+            "interpolation (1 - a) * norm(stream) + a * norm(write) and its lm_head scales each token's logit by a "
+            "learned per-token factor: a block is not one call, so its terms cannot be read once each.",
+    "gemma3n_text": "AltUp keeps several predicted streams and mixes them with coefficients computed inside the block "
+                    "(predict, then correct with the innovation of the active stream), adds a LAuReL branch, and "
+                    "collapses the streams with a per-stream magnitude renormalisation: no readable (post, comb) "
+                    "mixing like the parallel-stream kind reads, and the final collapse is not linear in the streams.",
+    "qwen4_exp_text": "its gated residual (Qwen4ExpTextGatedResidual) feeds each sublayer a sigmoid-gated mean of the "
+                      "RMS-normed streams and injects the write with weights computed from the normed streams; the "
+                      "stream norm is grouped per stream and input-dependent inside the hyper-connection, which the "
+                      "parallel-stream kind (post / comb read from the module's output) does not describe.",
+    "inkling2_text": "each sublayer reads a softmax-weighted mixture over all earlier blocks' outputs (block attention "
+                     "residuals, input-dependent mixing over depth) and its output passes through a causal "
+                     "convolution over positions: no term kind reads mixing over depth.",
+    "inkling2_loop_text": "as inkling2_text (attention over earlier blocks' outputs, convolutions over positions), and "
+                          "its blocks run in loops: no term kind reads mixing over depth.",
+    "reformer": "reversible residual layers: attention writes one half-stream and the chunked feed-forward the other "
+                "(y1 = x1 + attn(x2), y2 = x2 + ffn(y1)), and the final norm reads their concatenation "
+                "(2 * hidden_size); no term kind describes two half-streams, and nnterp finds no layers.",
+    "cpmant": "the model prepends prompt_length learned prompt tokens (and a segment embedding) inside its forward, "
+              "so its blocks run on a longer sequence than the input and an attributed position is a different "
+              "index inside them; its blocks add the residual inside their attention and FFN sub-blocks.",
+}
