@@ -104,6 +104,11 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
             f"block {i}'s attention is a mixture of attention: each token's heads live in the experts it was routed "
             "to, grouped by expert, so there is no [batch, pos, heads, head_dim] tensor; use attribute(by='head')"
         )
+    if term.split != "heads":
+        raise ValueError(
+            f"block {i}'s attention does not split into heads in this family ({family_of(model).name}): "
+            "its write is read as one term (see its notes in dla_recipes/families.py)"
+        )
     heads = int(getattr(model, "num_heads", None) or _config(model).num_attention_heads)
     value = read_site(model.layers[i], f"{term.projection}.input")
     return value.flatten(2).unflatten(-1, (heads, -1))
