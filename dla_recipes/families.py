@@ -81,11 +81,13 @@ class Term:
         stream_norm: a norm applied to the stream itself before this term is added, whose output is the stream
             the later terms add onto (MiniMax's ``input_layernorm``, RWKV's embedding norm in block 0). It is frozen
             at its real input: a linear map ``gain * center(x) * scale + bias`` that carries every earlier term.
+        stream_norm_after: a norm applied to the stream right after this term is added (post-norm blocks: OpenAI
+            GPT's ``ln_1`` / ``ln_2``), frozen at its real input like ``stream_norm``.
         projection_multiplier: split terms: a scalar (config attribute or function) between ``projection`` and
             ``output`` (Beam's ``routed_scaling_factor`` after its experts).
 
-    The stream after the term, in full: ``(stream_norm(stream) + stream_bias) * stream_scale * stream_multiplier
-    + write``.
+    The stream after the term, in full: ``stream_norm_after((stream_norm(stream) + stream_bias) * stream_scale
+    * stream_multiplier + write)``.
     """
 
     name: str
@@ -113,6 +115,7 @@ class Term:
     stream_multiplier: str | Callable | None = None
     stream_norm: str | None = None
     projection_multiplier: str | Callable | None = None
+    stream_norm_after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,10 @@ class Family:
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
     head_input_over: str | None = None  # lm_head reads the final norm's output over this config value (MiniCPM)
-    final_norm_shared: bool = False  # the final norm module also runs before the blocks (nanochat): its input is
-    # read as the last block's output and its output as lm_head's input
+    final_norm: Literal["module", "shared", "none"] = "module"  # "module": nnterp's ln_final, read at its input
+    # and output; "shared": that module also runs before the blocks (nanochat), so it is read around (its input is
+    # the last block's output, its output lm_head's input); "none": no final norm (OpenAI GPT), lm_head reads the
+    # last block's output
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -390,7 +395,7 @@ FAMILIES: tuple[Family, ...] = (
     ), notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
              "itself); lightning (linear) attention on some blocks, softmax attention on the others; MoE MLP."),
     Family("nanochat", ("nanochat",), _sequential("o_proj", "fc2"), softcap="final_logit_softcapping",
-           final_norm_shared=True, load_kwargs={"check_renaming": False},
+           final_norm="shared", load_kwargs={"check_renaming": False},
            notes="RMSNorms without weights (probed at the stream's width); the final norm module also norms the "
                  "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
     Family("hy_v4", ("hy_v4",), (
@@ -414,6 +419,12 @@ FAMILIES: tuple[Family, ...] = (
         notes="each sublayer's output passes through a causal convolution over positions before it is added (a "
               "term mixes earlier positions into the attributed one, so neither sublayer splits into heads or "
               "neurons at one position: block granularity only); lm_head reads the final norm over the mup width."),
+    Family("openai-gpt", ("openai-gpt",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.c_proj", stream_norm_after="ln_1"),
+        Term("mlp", "mlp.output", "neurons", "mlp.c_proj", stream_norm_after="ln_2"),
+    )),), final_norm="none", load_kwargs={"check_renaming": False},
+        notes="post-norm blocks: the stream is normed right after each add (ln_1, ln_2); no final norm (lm_head "
+              "reads the last block's output); Conv1D weights; learned positions in embed."),
     Family("rwkv", ("rwkv",), (
         LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
                    Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),
@@ -476,9 +487,6 @@ def family_of(model_or_config) -> Family:
 # Decoder families whose writes no term kind describes exactly: model type -> what is missing (issue 12). ``family_of``
 # raises ``UnknownFamilyError`` with the reason rather than return an attribution that does not sum to the logit.
 REFUSED: dict[str, str] = {
-    "openai-gpt": "its blocks are post-norm (the stream is normed right after each add, ln_1 / ln_2) and the model "
-                  "has no final norm module for nnterp to name ln_final (the last block's ln_2 plays that part); "
-                  "the table has no term kind for a norm after an add and no identity final norm.",
     "dory": "its recurrent section calls the same decoder layers n_loops times in one forward and re-adds the "
             "normed input section's output between loops, outside any block; its blocks replace the stream by an "
             "interpolation (1 - a) * norm(stream) + a * norm(write) and its lm_head scales each token's logit by a "

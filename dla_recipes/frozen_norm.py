@@ -70,6 +70,11 @@ class NormProbe:
         return FrozenNorm(norm, stream, output=output, probe=self)
 
 
+def identity_probe(width: int) -> NormProbe:
+    """The probe of no norm at all (a family without a final norm): gain 1, bias 0, no centering."""
+    return NormProbe(bias=torch.zeros(width), gain=torch.ones(width), centers=False, eps=0.0)
+
+
 def probe_norm(norm, width: int | None = None) -> NormProbe:
     """Probe a norm module (or an nnsight envoy of one) with zeros, ones and a +/-1 vector; see the module docstring.
 

@@ -32,7 +32,7 @@ def read_site(layer, site: str, batch_size: int | None = None):
     path, io = site.rsplit(".", 1) if "." in site else ("", site)
     envoy = module_at(layer, path) if path else layer
     value = getattr(envoy, io)
-    value = value[0] if isinstance(value, tuple) else value
+    value = value[0] if isinstance(value, (tuple, list)) else value
     if batch_size is not None and value.dim() == 2:
         value = value.unflatten(0, (batch_size, -1))
     return value
@@ -78,7 +78,7 @@ def layer_input(model, i: int) -> torch.Tensor:
 def layer_output(model, i: int) -> torch.Tensor:
     """``[batch, pos, d_model]``: the residual stream leaving block ``i``."""
     value = model.layers[i].output
-    return value[0] if isinstance(value, tuple) else value
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 def attention_output(model, i: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .frozen_norm import FrozenNorm, NormProbe, probe_norm
+from .frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
 from .readers import layer_input, layer_output, read_site
 
@@ -94,9 +94,10 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
     """Pull ``direction`` ``[batch, d_model]`` on the stream at ``stop`` (None: the final norm's input) back to
     every term written before it.
 
-    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant)`` for term ``k``
-    of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, and ``constant``
-    ``[batch]`` is what a stream bias added with it (ZAYA's residual bias) contributes.
+    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant, after)`` for term
+    ``k`` of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, ``constant``
+    ``[batch]`` is what a stream bias or a stream norm's bias added with it (ZAYA, MiniMax) contributes, and
+    ``after`` what the bias of a norm right after it contributes (not scaled by that norm).
     """
     v = direction
     blocks = plan.terms_before(stop)
@@ -110,6 +111,11 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
         for planned in reversed(blocks[i]):
             term = planned.term
             constant: torch.Tensor | float = 0.0
+            after: torch.Tensor | float = 0.0  # a norm right after the add: its bias, then its static part
+            if term.stream_norm_after is not None:
+                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1])
+                after = _dot(v, probe.bias.to(v.device))
+                v = probe.center(probe.gain.to(v.device) * v)
             if term.stream_scale is not None:
                 v_before = v * _param(layer, term.stream_scale).to(v.device)
             else:
@@ -122,7 +128,7 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
                 probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1])
                 constant = constant + _dot(v_before, probe.bias.to(v_before.device))
                 v_before = probe.center(probe.gain.to(v_before.device) * v_before)
-            entries.append((v, constant))
+            entries.append((v, constant, after))
             v = v_before
         per_layer[i] = entries[::-1]
     return v, per_layer
@@ -178,6 +184,16 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     data: dict = {}
     if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
         data["stream_norm"] = _frozen(module_at(layer, term.stream_norm), rows, positions, batch)
+    data.update(_read_value(layer, planned, mode, rows, positions))
+    if term.stream_norm_after is not None:  # ... and a norm right after the add, after it
+        data["stream_norm_after"] = _frozen(module_at(layer, term.stream_norm_after), rows, positions, batch)
+    return data
+
+
+def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) -> dict:
+    """The term's own reads (its value, or what its split needs), in forward order."""
+    term, batch = planned.term, rows.shape[0]
+    data: dict = {}
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
         comb = _at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
@@ -337,9 +353,10 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
-    """``(scores [batch, n], hyper, stream_scale)`` of each of one block's terms: all its reads first, in forward
+    """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
-    None; ``stream_scale`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, else None.
+    None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
+    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -352,23 +369,26 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
             if last == k:
                 outers[path] = _frozen(module_at(layer, path), rows, positions, rows.shape[0])
                 fit_errors.append(outers[path].fit_error)
-    fit_errors.extend(d[key].fit_error for d in datas for key in ("post_norm", "stream_norm") if key in d)
+    fit_errors.extend(d[key].fit_error for d in datas for key in ("post_norm", "stream_norm", "stream_norm_after")
+                      if key in d)
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.outer_norm
-        v, stream_constant = directions[k]
+        v, stream_constant, after_constant = directions[k]
         score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
-        stream_norm = datas[k].get("stream_norm")
-        scores.append((score, datas[k].get("hyper"), stream_norm.scale if stream_norm is not None else None))
+        before, after = datas[k].get("stream_norm"), datas[k].get("stream_norm_after")
+        scores.append((score, datas[k].get("hyper"), before.scale if before is not None else None,
+                       (after.scale, after_constant) if after is not None else None))
     return scores
 
 
 def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
     """``(probe, direction [batch, d_model], constant [batch])`` of the final head for these target tokens."""
-    probe: NormProbe = probe_norm(model.ln_final, model.lm_head.weight.shape[-1])
+    width = model.lm_head.weight.shape[-1]
+    probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
     weight = model.lm_head.weight
     rows = weight[targets.to(weight.device)].float()
     bias = getattr(model.lm_head, "bias", None)
@@ -388,6 +408,11 @@ def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
 
 
+def _scaled(scores: list, scale: torch.Tensor) -> list:
+    """Every score group ``[batch, ...]`` times a per-prompt ``scale`` ``[batch]`` (a frozen stream norm's)."""
+    return [s * scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
+
+
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
               stop: Stop | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
@@ -405,15 +430,18 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     for i, terms in enumerate(plan.terms_before(stop)):
-        for score, hyper, stream_scale in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
-            if stream_scale is not None:  # a norm on the stream scales everything written before it
-                scores = [s * stream_scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
+        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+            if before is not None:  # a norm on the stream scales everything written before it
+                scores = _scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
                 if comb is not None:
                     carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
                 carried.append(post)
             scores.append(score.to(scores[0].device))
+            if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
+                scores = _scaled(scores, after[0])
+                scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         collapse = plan.family.collapse_weights(head, _at(head.input, rows, positions))  # [batch, streams]
@@ -444,7 +472,7 @@ def direct_logit_attribution(
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         scores, fit_errors = decompose(model, plan, direction, positions, by)
-        if plan.family.final_norm_shared:  # the final norm also ran before the blocks: read around it
+        if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
             stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]

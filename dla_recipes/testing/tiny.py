@@ -82,6 +82,7 @@ FAMILIES: tuple[str, ...] = (
     "nanochat",
     "hy_v4",
     "inkling",
+    "openai_gpt",
     # --- end new term kinds
     "zamba2",
     "jetmoe",
@@ -514,6 +515,15 @@ def _cfg_inkling():
     )
 
 
+def _cfg_openai_gpt():
+    from transformers import OpenAIGPTConfig
+
+    return OpenAIGPTConfig(
+        vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD_ID,
+    )
+
+
 # --- end new term kinds ------------------------------------------------------------------------------------------
 
 
@@ -585,6 +595,7 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "nanochat": _cfg_nanochat,
     "hy_v4": _cfg_hy_v4,
     "inkling": _cfg_inkling,
+    "openai_gpt": _cfg_openai_gpt,
     # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
@@ -635,6 +646,7 @@ _MODEL_CLASSES: dict[str, str] = {
     "nanochat": "NanoChatForCausalLM",
     "hy_v4": "HYV4ForCausalLM",
     "inkling": "InklingForCausalLM",
+    "openai_gpt": "OpenAIGPTLMHeadModel",
     # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
