@@ -81,6 +81,8 @@ class Term:
         stream_norm: a norm applied to the stream itself before this term is added, whose output is the stream
             the later terms add onto (MiniMax's ``input_layernorm``, RWKV's embedding norm in block 0). It is frozen
             at its real input: a linear map ``gain * center(x) * scale + bias`` that carries every earlier term.
+        output_gate: neurons split: ``sigmoid(output_gate.output)`` multiplies ``projection``'s output channel by
+            channel (RWKV's channel mix: ``sigmoid(receptance(x)) * value(k)``).
         stream_norm_after: a norm applied to the stream right after this term is added (post-norm blocks: OpenAI
             GPT's ``ln_1`` / ``ln_2``), frozen at its real input like ``stream_norm``.
         projection_multiplier: split terms: a scalar (config attribute or function) between ``projection`` and
@@ -116,6 +118,7 @@ class Term:
     stream_norm: str | None = None
     projection_multiplier: str | Callable | None = None
     stream_norm_after: str | None = None
+    output_gate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,10 @@ def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     flat = streams.flatten(-2).float()
     mixes = (flat @ head.hc_fn.float().T) * head.input_norm(flat)
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
+RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
+                        output_gate="feed_forward.receptance", reads="ln2")
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -426,14 +433,13 @@ FAMILIES: tuple[Family, ...] = (
         notes="post-norm blocks: the stream is normed right after each add (ln_1, ln_2); no final norm (lm_head "
               "reads the last block's output); Conv1D weights; learned positions in embed."),
     Family("rwkv", ("rwkv",), (
-        LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"),
-                   Term("mlp", "feed_forward.output", reads="ln2")), when="pre_ln"),
-        LayerKind((Term("attn", "attention.output", reads="ln1"), Term("mlp", "feed_forward.output", reads="ln2"))),
+        LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"), RWKV_CHANNEL_MIX), when="pre_ln"),
+        LayerKind((Term("attn", "attention.output", reads="ln1"), RWKV_CHANNEL_MIX)),
     ), padding_safe=False, rename={"model_name": "rwkv", "ln_final_name": "ln_out", "lm_head_name": "head",
                                    "attn_name": "attention", "mlp_name": "feed_forward"},
         load_kwargs={"check_renaming": False},
-        notes="RWKV-4 time mixing and channel mixing (no heads; the channel mix gates its output by a receptance, "
-              "so neither splits); block 0 norms the embedding (pre_ln, a norm on the stream itself)."),
+        notes="RWKV-4 time mixing (no heads: one term) and channel mixing (neurons: value's input, its output gated "
+              "by sigmoid(receptance)); block 0 norms the embedding (pre_ln, a norm on the stream itself)."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
@@ -495,10 +501,11 @@ REFUSED: dict[str, str] = {
                     "(predict, then correct with the innovation of the active stream), adds a LAuReL branch, and "
                     "collapses the streams with a per-stream magnitude renormalisation: no readable (post, comb) "
                     "mixing like the parallel-stream kind reads, and the final collapse is not linear in the streams.",
-    "qwen4_exp_text": "its gated residual (Qwen4ExpTextGatedResidual) feeds each sublayer a sigmoid-gated mean of the "
-                      "RMS-normed streams and injects the write with weights computed from the normed streams; the "
-                      "stream norm is grouped per stream and input-dependent inside the hyper-connection, which the "
-                      "parallel-stream kind (post / comb read from the module's output) does not describe.",
+    "qwen4_exp_text": "its streams are collapsed by hyper_connection_mixer: a mean over the streams of each stream "
+                      "RMS-normed on its own and gated channel by channel by an input-dependent sigmoid, so each "
+                      "stream is read along its own direction; the parallel-stream kind reads every stream along one "
+                      "direction with a scalar weight per stream (its gated residuals otherwise fit: the writes go "
+                      "into every stream times injection_weights, like HY-V4).",
     "inkling2_text": "each sublayer reads a softmax-weighted mixture over all earlier blocks' outputs (block attention "
                      "residuals, input-dependent mixing over depth) and its output passes through a causal "
                      "convolution over positions: no term kind reads mixing over depth.",

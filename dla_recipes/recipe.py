@@ -205,6 +205,9 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         data.update(_read_routed(layer, term, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+        if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
+            data["output_gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.output_gate), "output", batch),
+                                                    rows, positions))
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -342,6 +345,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
         if term.then is not None:  # a second map after the projection: pull u back through it first
             u, then_bias = _linear_pullback(module_at(layer, term.then), u, False)
             rest = rest + then_bias
+        if "output_gate" in data:
+            u = u * data["output_gate"].to(u.device)
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
         parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
