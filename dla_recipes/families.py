@@ -83,6 +83,12 @@ class Term:
             at its real input: a linear map ``gain * center(x) * scale + bias`` that carries every earlier term.
         output_gate: neurons split: ``sigmoid(output_gate.output)`` multiplies ``projection``'s output channel by
             channel (RWKV's channel mix: ``sigmoid(receptance(x)) * value(k)``).
+        projection_scale: split terms: a parameter path (a learned scalar or per-channel gain) multiplying
+            ``projection``'s output inside ``output`` (Inkling's MLP ``global_scale``).
+        position_conv: heads / neurons split: the sublayer's output ``x`` passes through a module computing
+            ``x + causal_depthwise_conv(mask * x)`` over positions (weights ``<position_conv>.conv1d.weight
+            [d, 1, K]``, the padding mask its ``conv_mask`` argument: Inkling's short convolutions), so the term at
+            position ``p`` is made of the projection's inputs at ``p - K + 1 ... p``.
         stream_norm_after: a norm applied to the stream right after this term is added (post-norm blocks: OpenAI
             GPT's ``ln_1`` / ``ln_2``), frozen at its real input like ``stream_norm``.
         projection_multiplier: split terms: a scalar (config attribute or function) between ``projection`` and
@@ -119,6 +125,8 @@ class Term:
     projection_multiplier: str | Callable | None = None
     stream_norm_after: str | None = None
     output_gate: str | None = None
+    position_conv: str | None = None
+    projection_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +251,8 @@ def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
 
 
+INKLING_ATTENTION = Term("attn", "attn_sconv.output", "heads", "self_attn.o_proj", position_conv="attn_sconv",
+                         reads="input_layernorm")
 RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
                         output_gate="feed_forward.receptance", reads="ln2")
 
@@ -419,13 +429,16 @@ FAMILIES: tuple[Family, ...] = (
         notes="hc_mult parallel residual streams (DeepSeek-V4's machinery without the comb mixing: each sublayer "
               "reads a weighted sum of the streams and writes into stream k times post[k]); collapsed by hc_head; "
               "MLA attention; dense or MoE + shared experts with a clamped SwiGLU."),
-    Family("inkling", ("inkling_text",), (LayerKind((
-        Term("attn", "attn_sconv.output", reads="input_layernorm"),
-        Term("mlp", "mlp_sconv.output", reads="post_attention_layernorm"),
-    )),), head_input_over="logits_mup_width_multiplier",
-        notes="each sublayer's output passes through a causal convolution over positions before it is added (a "
-              "term mixes earlier positions into the attributed one, so neither sublayer splits into heads or "
-              "neurons at one position: block granularity only); lm_head reads the final norm over the mup width."),
+    Family("inkling", ("inkling_text",), (
+        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", reads="post_attention_layernorm")),
+                  when="mlp.experts"),
+        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", "neurons", "mlp.down_proj",
+                                           position_conv="mlp_sconv", projection_scale="mlp.global_scale",
+                                           reads="post_attention_layernorm"))),
+    ), head_input_over="logits_mup_width_multiplier",
+        notes="each sublayer's output x is added as x + causal_conv(x) over positions (a position convolution: "
+              "heads and neurons are read at the K last positions); the MoE blocks' experts (a bmm shared-expert "
+              "layout) are not split; lm_head reads the final norm's output over the mup width."),
     Family("openai-gpt", ("openai-gpt",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.c_proj", stream_norm_after="ln_1"),
         Term("mlp", "mlp.output", "neurons", "mlp.c_proj", stream_norm_after="ln_2"),

@@ -216,7 +216,8 @@ def _build_plan(model, family: Family) -> Plan:
             for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
                          term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
                          term.projection_bias, term.reads, term.then, term.hyper, term.stream_norm,
-                         term.stream_norm_after, term.output_gate):
+                         term.stream_norm_after, term.output_gate, term.position_conv,
+                         term.projection_scale):
                 if path and path not in ("output", "input") and not _has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "

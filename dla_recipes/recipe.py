@@ -203,6 +203,8 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         return data
     if term.router is not None:
         data.update(_read_routed(layer, term, rows, positions))
+    elif mode in ("heads", "neurons") and term.position_conv is not None:
+        data.update(_read_lags(layer, term, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
         if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
@@ -222,6 +224,39 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
     if term.post_norm is not None:
         data["post_norm"] = _frozen(module_at(layer, term.post_norm), rows, positions, batch)
     return data
+
+
+def _read_lags(layer, term, rows, positions) -> dict:
+    """A position convolution's reads: the projection's inputs at the ``K`` positions ``p, p - 1, ... p - K + 1``
+    (``lag_inputs [batch, K, in]``), whether each exists (``lag_valid [batch, K]``) and the conv's padding mask
+    there (``lag_mask [batch, K]``, 0 at pads and before the sequence)."""
+    full = read_site(module_at(layer, term.projection), "input", rows.shape[0])  # [batch, pos, ...]
+    conv = module_at(layer, term.position_conv)
+    width = int(conv.conv1d.weight.shape[-1])
+    lags = positions.to(full.device)[:, None] - torch.arange(width, device=full.device)[None, :]  # [batch, K]
+    valid, q = lags >= 0, lags.clamp(min=0)
+    inputs = full[rows.to(full.device)[:, None], q].float().flatten(2)
+    mask = conv.inputs[1].get("conv_mask")
+    mask = mask[rows.to(mask.device)[:, None], q.to(mask.device)].float() if mask is not None else torch.ones(q.shape)
+    return {"lag_inputs": inputs, "lag_valid": valid.float(), "lag_mask": mask.to(valid.device) * valid.float()}
+
+
+def _conv_scores(layer, planned: PlannedTerm, data: dict, u: torch.Tensor):
+    """``(parts [batch, parts], bias constant)`` of a split term under a position convolution: the direction at
+    lag ``l`` is ``u * (1[l = 0] + w[:, K - 1 - l] * mask_l)``, pulled back through the projection and read along
+    the projection's input at ``p - l``."""
+    conv = module_at(layer, planned.term.position_conv)
+    weight = conv.conv1d.weight.float().squeeze(1).to(u.device)  # [d, K]
+    batch, width = data["lag_mask"].shape
+    coefficients = weight.flip(-1).T[None] * data["lag_mask"].to(u.device)[..., None]  # [batch, K, d]
+    coefficients[:, 0] += 1.0  # the convolution's input is added too (its residual)
+    lagged = u[:, None] * coefficients * data["lag_valid"].to(u.device)[..., None]
+    pulled, bias = _linear_pullback(module_at(layer, planned.term.projection), lagged.flatten(0, 1), planned.transposed)
+    inputs = data["lag_inputs"]
+    per_input = (inputs * pulled.view(batch, width, -1).to(inputs.device)).sum(1)
+    parts = per_input.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    constant = bias.view(batch, width).sum(1) if isinstance(bias, torch.Tensor) else 0.0
+    return parts, constant
 
 
 def _read_routed(layer, term, rows, positions) -> dict:
@@ -338,9 +373,14 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
         u = data["post_norm"].transpose(u)
     if planned.projection_multiplier != 1.0:
         u = u * planned.projection_multiplier
+    if term.projection_scale is not None:
+        u = u * _param(layer, term.projection_scale).to(u.device)
     if term.router is not None:
         parts = _routed_scores(layer, planned, mode, data, u)
         rest = rest + _dot(u, _param(layer, term.projection_bias)) if term.projection_bias else rest
+    elif mode in ("heads", "neurons") and "lag_inputs" in data:
+        parts, bias = _conv_scores(layer, planned, data, u)
+        rest = rest + bias
     elif mode in ("heads", "neurons"):
         if term.then is not None:  # a second map after the projection: pull u back through it first
             u, then_bias = _linear_pullback(module_at(layer, term.then), u, False)
