@@ -19,6 +19,7 @@ def _plain_sum_family(family: str) -> bool:
     terms = [t for kind in entry.kinds for t in kind.terms]
     return (entry.layer_scale is None and entry.collapse is None and {t.name for t in terms} == {"attn", "mlp"}
             and not any(t.stream_scale or t.stream_bias or t.hyper or t.router or t.stream_norm or t.stream_multiplier
+                        or t.stream_norm_after
                         for t in terms))
 
 
