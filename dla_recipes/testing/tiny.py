@@ -510,7 +510,8 @@ def _cfg_inkling():
             head_dim=16, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=16,
             sliding_window_size=4, d_rel=4, rel_extent=16, layer_types=None, local_layer_ids=[0, 2],
             mlp_layer_types=["dense", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=2.5, conv_kernel_size=3,
+            num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=0.5, conv_kernel_size=3,
+            initializer_range=0.1,  # logits of order 1: a forgotten scale must show above the 1e-4 tolerance
         )
     )
 
