@@ -482,6 +482,12 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# Decoder model types dla_recipes knows and refuses: model type -> why no entry can be exact yet (what is missing).
+# ``family_of`` raises ``UnknownFamilyError`` naming the reason; the generated families page lists them.
+REFUSED: dict[str, str] = {
+}
+
+
 def family_of(model_or_config) -> Family:
     """The ``Family`` entry for a model (a StandardizedTransformer, a transformers model) or its config."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -492,7 +498,8 @@ def family_of(model_or_config) -> Family:
             return family
     if model_type in REFUSED:
         raise UnknownFamilyError(
-            f"dla_recipes cannot attribute model_type {model_type!r} exactly: {REFUSED[model_type]}"
+            f"dla_recipes refuses model_type {model_type!r}: {REFUSED[model_type]}. It cannot promise exact "
+            "attributions for it, so it returns none."
         )
     known = ", ".join(sorted(t for f in FAMILIES for t in f.model_types))
     raise UnknownFamilyError(
@@ -503,17 +510,18 @@ def family_of(model_or_config) -> Family:
     )
 
 
-# Decoder families whose writes no term kind describes exactly: model type -> what is missing (issue 12). ``family_of``
-# raises ``UnknownFamilyError`` with the reason rather than return an attribution that does not sum to the logit.
-REFUSED: dict[str, str] = {
+# --- Refusals for the new term kinds (issue 12): decoder types whose writes no term kind describes exactly.
+REFUSED.update({
     "dory": "its recurrent section calls the same decoder layers n_loops times in one forward and re-adds the "
             "normed input section's output between loops, outside any block; its blocks replace the stream by an "
             "interpolation (1 - a) * norm(stream) + a * norm(write) and its lm_head scales each token's logit by a "
             "learned per-token factor: a block is not one call, so its terms cannot be read once each.",
-    "gemma3n_text": "AltUp keeps several predicted streams and mixes them with coefficients computed inside the block "
-                    "(predict, then correct with the innovation of the active stream), adds a LAuReL branch, and "
-                    "collapses the streams with a per-stream magnitude renormalisation: no readable (post, comb) "
-                    "mixing like the parallel-stream kind reads, and the final collapse is not linear in the streams.",
+    "gemma3n_text": "AltUp keeps several streams: each block predicts every stream from all of them with "
+                    "coefficients computed from the stream, runs its sublayers on the active prediction (merging "
+                    "attention with a LAuReL branch as (attn + laurel) / sqrt(2)), then corrects every stream by "
+                    "coefficients times (the block's output minus the active prediction), so the stream itself re-"
+                    "enters through what the block writes; the final collapse rescales each stream to the active "
+                    "stream's magnitude (not linear in the streams).",
     "qwen4_exp_text": "its streams are collapsed by hyper_connection_mixer: a mean over the streams of each stream "
                       "RMS-normed on its own and gated channel by channel by an input-dependent sigmoid, so each "
                       "stream is read along its own direction; the parallel-stream kind reads every stream along one "
@@ -530,4 +538,4 @@ REFUSED: dict[str, str] = {
     "cpmant": "the model prepends prompt_length learned prompt tokens (and a segment embedding) inside its forward, "
               "so its blocks run on a longer sequence than the input and an attributed position is a different "
               "index inside them; its blocks add the residual inside their attention and FFN sub-blocks.",
-}
+})

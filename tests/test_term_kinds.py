@@ -44,3 +44,14 @@ def test_dropping_a_term_kind_breaks_exactness(entry, tiny_name, field, by, monk
             dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
     finally:
         dla_recipes.build_plan.cache_clear()
+
+
+@pytest.mark.parametrize("model_type", ["dory", "gemma3n_text", "qwen4_exp_text", "inkling2_text", "inkling2_loop_text",
+                                        "reformer", "cpmant"])
+def test_types_no_term_kind_describes_are_refused_with_the_reason(model_type):
+    from types import SimpleNamespace
+
+    reason = families.REFUSED[model_type]
+    with pytest.raises(dla_recipes.UnknownFamilyError, match="refuses model_type") as refusal:
+        dla_recipes.family_of(SimpleNamespace(model_type=model_type))
+    assert reason in str(refusal.value)
