@@ -223,7 +223,7 @@ def depth_scale(config, layer: int) -> float:
 
 
 @dataclass(frozen=True)
-class beam_write:  # noqa: N801  (used like a function: ``beam_write(sublayer)(config, layer)``)
+class beam_write:  # used like a function: ``beam_write(sublayer)(config, layer)``
     """Beam's depth-scaled add: the n-th add (``n = 2 (layer + 1) + sublayer``) writes ``write / sqrt(n)``."""
 
     sublayer: int
@@ -233,7 +233,7 @@ class beam_write:  # noqa: N801  (used like a function: ``beam_write(sublayer)(c
 
 
 @dataclass(frozen=True)
-class beam_stream:  # noqa: N801
+class beam_stream:
     """Beam's depth-scaled add: the n-th add keeps ``stream * sqrt((n - 1) / n)``."""
 
     sublayer: int
@@ -417,15 +417,15 @@ FAMILIES: tuple[Family, ...] = (
                  "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
     Family("hy_v4", ("hy_v4",), (
         LayerKind((
-            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc", reads="input_layernorm"),
-            Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", hyper="ffn_hc",
-                 reads="post_attention_layernorm"),
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc"),
+            Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", hyper="ffn_hc"),
         ), when="mlp.experts"),
         LayerKind((
-            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc", reads="input_layernorm"),
-            Term("mlp", "mlp.output", "neurons", "mlp.down_proj", hyper="ffn_hc", reads="post_attention_layernorm"),
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc"),
+            Term("mlp", "mlp.output", "neurons", "mlp.down_proj", hyper="ffn_hc"),
         )),
-    ), collapse="model.hc_head", collapse_weights=hy_head_weights, load_kwargs={"check_renaming": False}, padding_safe=False,
+    ), collapse="model.hc_head", collapse_weights=hy_head_weights, load_kwargs={"check_renaming": False},
+        padding_safe=False,
         notes="hc_mult parallel residual streams (DeepSeek-V4's machinery without the comb mixing: each sublayer "
               "reads a weighted sum of the streams and writes into stream k times post[k]); collapsed by hc_head; "
               "MLA attention; dense or MoE + shared experts with a clamped SwiGLU."),

@@ -9,9 +9,9 @@ The same families with the field in place are checked exact in test_families.py.
 import dataclasses
 
 import pytest
+from conftest import CONTRAST, PROMPTS, TARGET, tiny_model
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model
 from dla_recipes import families
 
 CASES = [
