@@ -397,7 +397,7 @@ FAMILIES: tuple[Family, ...] = (
         ), when=when)
         for when, split, projection, scaling in (("mlp.experts", "experts", "experts", "routed_scaling_factor"),
                                                  (None, "neurons", "down_proj", None))
-    ), softcap="final_logit_softcapping",
+    ), softcap="final_logit_softcapping", load_kwargs={"check_renaming": False},
         notes="sandwich norms; each add is depth-scaled: stream * sqrt((n - 1) / n) + write / sqrt(n) for the n-th "
               "add (computed scalars); experts' sum times routed_scaling_factor before the post-norm."),
     Family("minimax", ("minimax",), tuple(
@@ -409,7 +409,8 @@ FAMILIES: tuple[Family, ...] = (
                  reads="post_attention_layernorm"),
         ), when=f"self_attn.{projection}")
         for projection, kind in (("o_proj", "full"), ("out_proj", "linear"))
-    ), notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
+    ), load_kwargs={"check_renaming": False},
+        notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
              "itself); lightning (linear) attention on some blocks, softmax attention on the others; MoE MLP."),
     Family("nanochat", ("nanochat",), _sequential("o_proj", "fc2"), softcap="final_logit_softcapping",
            final_norm="shared", load_kwargs={"check_renaming": False},
@@ -435,7 +436,7 @@ FAMILIES: tuple[Family, ...] = (
         LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", "neurons", "mlp.down_proj",
                                            position_conv="mlp_sconv", projection_scale="mlp.global_scale",
                                            reads="post_attention_layernorm"))),
-    ), head_input_over="logits_mup_width_multiplier",
+    ), head_input_over="logits_mup_width_multiplier", load_kwargs={"check_renaming": False},
         notes="each sublayer's output x is added as x + causal_conv(x) over positions (a position convolution: "
               "heads and neurons are read at the K last positions); the MoE blocks' experts (a bmm shared-expert "
               "layout) are not split; lm_head reads the final norm's output over the mup width."),
