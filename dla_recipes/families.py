@@ -8,9 +8,13 @@ each family answers with one ``Family`` entry:
    and the add (``post_norm``), a config multiplier (``multiplier``), an affine merge (``scale``, ``bias``).
 2. **What acts on the stream itself after a term is written?** ``Term.stream_scale`` / ``Term.stream_bias`` (the
    stream is ``(stream + stream_bias) * stream_scale`` when the term is added, as on Doge and ZAYA) and
-   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4).
+   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4);
+   ``Term.stream_multiplier`` (a scalar, MiniMax's alpha); ``Term.stream_norm`` / ``Term.stream_norm_after`` (a norm
+   applied to the stream itself before / right after the add: MiniMax, RWKV's block 0, OpenAI GPT's post-norm blocks).
 3. **What does the final head apply after the final norm and ``lm_head``?** ``logits_times`` / ``logits_over`` (a
-   config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit).
+   config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit);
+   ``head_input_over`` (lm_head reads the final norm's output over a config constant) and ``final_norm`` (``"none"``:
+   no final norm; ``"shared"``: the final norm module also runs before the blocks).
 
 Paths are relative to the block envoy (``model.layers[i]``) in nnterp's renamed vocabulary (``self_attn``, ``mlp``),
 with native names below that. An entry may hold several layer kinds (hybrids); the first kind whose ``when`` path

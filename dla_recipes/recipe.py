@@ -12,7 +12,9 @@ the same for a direction read by any block's norm. The math, for every family:
    carried by what later acts on the stream. Static maps (Doge's gates, ZAYA's residual scaling, Gemma-4's
    ``layer_scalar``) are pulled back into each term's direction before the forward pass reads it; input-dependent
    stream mixing (DeepSeek-V4's hyper-connections) is carried forward as per-stream weights and read along the
-   final collapse at the end.
+   final collapse at the end. A norm applied to the stream itself (MiniMax, RWKV, OpenAI GPT's post-norm blocks) is
+   frozen at its real input: its static part (gain, centering) is pulled back before the forward pass, and its
+   scale, read in the trace, multiplies everything written before it.
 3. Each block's values are read in forward order, then reduced to a few numbers (``layer_scores``): a block term
    to one (its value at the position, dotted with its direction); a split term to one per head, neuron or expert:
    the direction is pulled back through the term's multiplier, outer and post norms (frozen at their real inputs)
