@@ -8,9 +8,13 @@ each family answers with one ``Family`` entry:
    and the add (``post_norm``), a config multiplier (``multiplier``), an affine merge (``scale``, ``bias``).
 2. **What acts on the stream itself after a term is written?** ``Term.stream_scale`` / ``Term.stream_bias`` (the
    stream is ``(stream + stream_bias) * stream_scale`` when the term is added, as on Doge and ZAYA) and
-   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4).
+   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4);
+   ``Term.stream_multiplier`` (a scalar, MiniMax's alpha); ``Term.stream_norm`` / ``Term.stream_norm_after`` (a norm
+   applied to the stream itself before / right after the add: MiniMax, RWKV's block 0, OpenAI GPT's post-norm blocks).
 3. **What does the final head apply after the final norm and ``lm_head``?** ``logits_times`` / ``logits_over`` (a
-   config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit).
+   config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit);
+   ``head_input_over`` (lm_head reads the final norm's output over a config constant) and ``final_norm`` (``"none"``:
+   no final norm; ``"shared"``: the final norm module also runs before the blocks).
 
 Paths are relative to the block envoy (``model.layers[i]``) in nnterp's renamed vocabulary (``self_attn``, ``mlp``),
 with native names below that. The table composes: a term with ``when`` (``unless``) is written only by blocks where
@@ -28,6 +32,7 @@ test suite then checks it for exactness against the model's own logits at every 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -103,7 +108,8 @@ class Term:
         outer_norm: a norm applied after ``output``, to the sum of this and the block's other terms that name it
             (Gemma-4's ``post_feedforward_layernorm`` over its dense MLP and its experts).
         multiplier: a config attribute the write is multiplied by (Granite's ``residual_multiplier``); an item of a
-            config list is ``"name[i]"`` (Falcon-H1's ``mlp_multipliers[1]``).
+            config list is ``"name[i]"`` (Falcon-H1's ``mlp_multipliers[1]``); or a computed scalar: a function
+            ``(config, layer_index) -> float`` (MiniCPM3's ``scale_depth / sqrt(layers)``).
         scale, bias: parameter paths of an affine merge, ``(h + bias) * scale`` (ZAYA).
         stream_scale, stream_bias: parameter paths acting on the stream as this term is added (Doge, ZAYA).
         clone: the model later edits this tensor in place (Falcon's ``mlp_output += attention_output``).
@@ -128,6 +134,26 @@ class Term:
         when, unless: the term is written only by blocks where this path exists (``when``) or does not
             (``unless``): optional terms compose, so a block's features need no layer kind per combination.
         layout: experts split: how the experts module stores its weights (default: transformers' fused layout).
+        stream_multiplier: a scalar the stream is multiplied by as this term is added (a config attribute, or a
+            function ``(config, layer_index) -> float``): MiniMax's ``alpha``, Beam's depth-scaled residual.
+        stream_norm: a norm applied to the stream itself before this term is added, whose output is the stream
+            the later terms add onto (MiniMax's ``input_layernorm``, RWKV's embedding norm in block 0). It is frozen
+            at its real input: a linear map ``gain * center(x) * scale + bias`` that carries every earlier term.
+        output_gate: neurons split: ``sigmoid(output_gate.output)`` multiplies ``projection``'s output channel by
+            channel (RWKV's channel mix: ``sigmoid(receptance(x)) * value(k)``).
+        projection_scale: split terms: a parameter path (a learned scalar or per-channel gain) multiplying
+            ``projection``'s output inside ``output`` (Inkling's MLP ``global_scale``).
+        position_conv: heads / neurons split: the sublayer's output ``x`` passes through a module computing
+            ``x + causal_depthwise_conv(mask * x)`` over positions (weights ``<position_conv>.conv1d.weight
+            [d, 1, K]``, the padding mask its ``conv_mask`` argument: Inkling's short convolutions), so the term at
+            position ``p`` is made of the projection's inputs at ``p - K + 1 ... p``.
+        stream_norm_after: a norm applied to the stream right after this term is added (post-norm blocks: OpenAI
+            GPT's ``ln_1`` / ``ln_2``), frozen at its real input like ``stream_norm``.
+        projection_multiplier: split terms: a scalar (config attribute or function) between ``projection`` and
+            ``output`` (Beam's ``routed_scaling_factor`` after its experts).
+
+    The stream after the term, in full: ``stream_norm_after((stream_norm(stream) + stream_bias) * stream_scale
+    * stream_multiplier + write)``.
     """
 
     name: str
@@ -136,7 +162,7 @@ class Term:
     projection: str | None = None
     post_norm: str | None = None
     outer_norm: str | None = None
-    multiplier: str | None = None
+    multiplier: str | Callable | None = None
     scale: str | None = None
     bias: str | None = None
     stream_scale: str | None = None
@@ -155,6 +181,13 @@ class Term:
     when: str | None = None
     unless: str | None = None
     layout: ExpertsLayout = FUSED
+    stream_multiplier: str | Callable | None = None
+    stream_norm: str | None = None
+    projection_multiplier: str | Callable | None = None
+    stream_norm_after: str | None = None
+    output_gate: str | None = None
+    position_conv: str | None = None
+    projection_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +221,11 @@ class Family:
     rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""
+    head_input_over: str | None = None  # lm_head reads the final norm's output over this config value (MiniCPM)
+    final_norm: Literal["module", "shared", "none"] = "module"  # "module": nnterp's ln_final, read at its input
+    # and output; "shared": that module also runs before the blocks (nanochat), so it is read around (its input is
+    # the last block's output, its output lm_head's input); "none": no final norm (OpenAI GPT), lm_head reads the
+    # last block's output
 
     @property
     def terms(self) -> tuple[Term, ...]:
@@ -244,6 +282,46 @@ def _cohere2_moe_mean(config) -> float:
     """Cohere-2-MoE's routed and shared experts are averaged (each halved) under the "average" strategy."""
     averaged = config.num_shared_experts > 0 and config.shared_expert_combination_strategy == "average"
     return 0.5 if averaged else 1.0
+
+
+def depth_scale(config, layer: int) -> float:
+    """MiniCPM's residual scale ``scale_depth / sqrt(num_hidden_layers)`` (a computed scalar)."""
+    return config.scale_depth / math.sqrt(config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class beam_write:  # used like a function: ``beam_write(sublayer)(config, layer)``
+    """Beam's depth-scaled add: the n-th add (``n = 2 (layer + 1) + sublayer``) writes ``write / sqrt(n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        return 1.0 / math.sqrt(2 * (layer + 1) + self.sublayer)
+
+
+@dataclass(frozen=True)
+class beam_stream:
+    """Beam's depth-scaled add: the n-th add keeps ``stream * sqrt((n - 1) / n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        n = 2 * (layer + 1) + self.sublayer
+        return math.sqrt((n - 1) / n)
+
+
+def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
+    """HY-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(flat) * rms(flat)^-1 * scale + base) + eps``,
+    computed with the module's own norm and parameters from the streams it reads ``[batch, streams, d_model]``."""
+    flat = streams.flatten(-2).float()
+    mixes = (flat @ head.hc_fn.float().T) * head.input_norm(flat)
+    return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
+INKLING_ATTENTION = Term("attn", "attn_sconv.output", "heads", "self_attn.o_proj", position_conv="attn_sconv",
+                         reads="input_layernorm")
+RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
+                        output_gate="feed_forward.receptance", reads="ln2")
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -417,6 +495,78 @@ FAMILIES: tuple[Family, ...] = (
         padding_safe=False,
         notes="hc_mult parallel residual streams mixed by input-dependent hyper-connections (post, comb) and "
               "collapsed by hc_head; grouped low-rank output projection (o_a_proj, then o_b_proj); clamped-SwiGLU experts."),
+    # --- New term kinds (issue 12): computed scalars, norms on the stream itself, norms without weights
+    Family("minicpm3", ("minicpm3",), _sequential(multiplier=depth_scale), head_input_over="logits_scaling",
+           notes="MLA attention; writes times scale_depth / sqrt(layers) (a computed scalar); embedding times "
+                 "scale_emb; the final norm's output over hidden_size / dim_model_base."),
+    Family("beam", ("beam",), tuple(
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
+                 post_norm="post_attention_layernorm", multiplier=beam_write(0),
+                 stream_multiplier=beam_stream(0), reads="input_layernorm"),
+            Term("mlp", "post_feedforward_layernorm.output", split, f"mlp.{projection}",
+                 post_norm="post_feedforward_layernorm", multiplier=beam_write(1), stream_multiplier=beam_stream(1),
+                 projection_multiplier=scaling, reads="pre_feedforward_layernorm"),
+        ), when=when)
+        for when, split, projection, scaling in (("mlp.experts", "experts", "experts", "routed_scaling_factor"),
+                                                 (None, "neurons", "down_proj", None))
+    ), softcap="final_logit_softcapping", load_kwargs={"check_renaming": False},
+        notes="sandwich norms; each add is depth-scaled: stream * sqrt((n - 1) / n) + write / sqrt(n) for the n-th "
+              "add (computed scalars); experts' sum times routed_scaling_factor before the post-norm."),
+    Family("minimax", ("minimax",), tuple(
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", f"self_attn.{projection}", multiplier=f"{kind}_attn_beta_factor",
+                 stream_multiplier=f"{kind}_attn_alpha_factor", stream_norm="input_layernorm", reads="input_layernorm"),
+            Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier="mlp_beta_factor",
+                 stream_multiplier="mlp_alpha_factor", stream_norm="post_attention_layernorm",
+                 reads="post_attention_layernorm"),
+        ), when=f"self_attn.{projection}")
+        for projection, kind in (("o_proj", "full"), ("out_proj", "linear"))
+    ), load_kwargs={"check_renaming": False},
+        notes="the residual is the normed stream: stream <- norm(stream) * alpha + write * beta (norms on the stream "
+             "itself); lightning (linear) attention on some blocks, softmax attention on the others; MoE MLP."),
+    Family("nanochat", ("nanochat",), _sequential("o_proj", "fc2"), softcap="final_logit_softcapping",
+           final_norm="shared", load_kwargs={"check_renaming": False},
+           notes="RMSNorms without weights (probed at the stream's width); the final norm module also norms the "
+                 "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
+    Family("hy_v4", ("hy_v4",), (
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc"),
+            Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", hyper="ffn_hc"),
+        ), when="mlp.experts"),
+        LayerKind((
+            Term("attn", "self_attn.output", "heads", "self_attn.o_proj", hyper="attn_hc"),
+            Term("mlp", "mlp.output", "neurons", "mlp.down_proj", hyper="ffn_hc"),
+        )),
+    ), collapse="model.hc_head", collapse_weights=hy_head_weights, load_kwargs={"check_renaming": False},
+        padding_safe=False,
+        notes="hc_mult parallel residual streams (DeepSeek-V4's machinery without the comb mixing: each sublayer "
+              "reads a weighted sum of the streams and writes into stream k times post[k]); collapsed by hc_head; "
+              "MLA attention; dense or MoE + shared experts with a clamped SwiGLU."),
+    Family("inkling", ("inkling_text",), (
+        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", reads="post_attention_layernorm")),
+                  when="mlp.experts"),
+        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", "neurons", "mlp.down_proj",
+                                           position_conv="mlp_sconv", projection_scale="mlp.global_scale",
+                                           reads="post_attention_layernorm"))),
+    ), head_input_over="logits_mup_width_multiplier", load_kwargs={"check_renaming": False},
+        notes="each sublayer's output x is added as x + causal_conv(x) over positions (a position convolution: "
+              "heads and neurons are read at the K last positions); the MoE blocks' experts (a bmm shared-expert "
+              "layout) are not split; lm_head reads the final norm's output over the mup width."),
+    Family("openai-gpt", ("openai-gpt",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.c_proj", stream_norm_after="ln_1"),
+        Term("mlp", "mlp.output", "neurons", "mlp.c_proj", stream_norm_after="ln_2"),
+    )),), final_norm="none", load_kwargs={"check_renaming": False},
+        notes="post-norm blocks: the stream is normed right after each add (ln_1, ln_2); no final norm (lm_head "
+              "reads the last block's output); Conv1D weights; learned positions in embed."),
+    Family("rwkv", ("rwkv",), (
+        LayerKind((Term("attn", "attention.output", stream_norm="pre_ln", reads="ln1"), RWKV_CHANNEL_MIX), when="pre_ln"),
+        LayerKind((Term("attn", "attention.output", reads="ln1"), RWKV_CHANNEL_MIX)),
+    ), padding_safe=False, rename={"model_name": "rwkv", "ln_final_name": "ln_out", "lm_head_name": "head",
+                                   "attn_name": "attention", "mlp_name": "feed_forward"},
+        load_kwargs={"check_renaming": False},
+        notes="RWKV-4 time mixing (no heads: one term) and channel mixing (neurons: value's input, its output gated "
+              "by sigmoid(receptance)); block 0 norms the embedding (pre_ln, a norm on the stream itself)."),
     # Scaled writes.
     Family("granite", ("granite",), _sequential(multiplier="residual_multiplier"), logits_over="logits_scaling",
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
@@ -446,6 +596,12 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# Decoder model types dla_recipes knows and refuses: model type -> why no entry can be exact yet (what is missing).
+# ``family_of`` raises ``UnknownFamilyError`` naming the reason; the generated families page lists them.
+REFUSED: dict[str, str] = {
+}
+
+
 def family_of(model_or_config) -> Family:
     """The ``Family`` entry for a model (a StandardizedTransformer, a transformers model) or its config."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -454,6 +610,11 @@ def family_of(model_or_config) -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+    if model_type in REFUSED:
+        raise UnknownFamilyError(
+            f"dla_recipes refuses model_type {model_type!r}: {REFUSED[model_type]}. It cannot promise exact "
+            "attributions for it, so it returns none."
+        )
     known = ", ".join(sorted(t for f in FAMILIES for t in f.model_types))
     raise UnknownFamilyError(
         f"dla_recipes has no family entry for model_type {model_type!r} ({type(model_or_config).__name__}). "
@@ -461,3 +622,34 @@ def family_of(model_or_config) -> Family:
         "`Family` entry in dla_recipes/families.py (usually one line: see the module docstring) and add a tiny "
         "model for it in dla_recipes/testing/tiny.py; the test suite then checks it against the model's own logits."
     )
+
+
+# --- Refusals for the new term kinds (issue 12): decoder types whose writes no term kind describes exactly.
+REFUSED.update({
+    "dory": "its recurrent section calls the same decoder layers n_loops times in one forward and re-adds the "
+            "normed input section's output between loops, outside any block; its blocks replace the stream by an "
+            "interpolation (1 - a) * norm(stream) + a * norm(write) and its lm_head scales each token's logit by a "
+            "learned per-token factor: a block is not one call, so its terms cannot be read once each.",
+    "gemma3n_text": "AltUp keeps several streams: each block predicts every stream from all of them with "
+                    "coefficients computed from the stream, runs its sublayers on the active prediction (merging "
+                    "attention with a LAuReL branch as (attn + laurel) / sqrt(2)), then corrects every stream by "
+                    "coefficients times (the block's output minus the active prediction), so the stream itself re-"
+                    "enters through what the block writes; the final collapse rescales each stream to the active "
+                    "stream's magnitude (not linear in the streams).",
+    "qwen4_exp_text": "its streams are collapsed by hyper_connection_mixer: a mean over the streams of each stream "
+                      "RMS-normed on its own and gated channel by channel by an input-dependent sigmoid, so each "
+                      "stream is read along its own direction; the parallel-stream kind reads every stream along one "
+                      "direction with a scalar weight per stream (its gated residuals otherwise fit: the writes go "
+                      "into every stream times injection_weights, like HY-V4).",
+    "inkling2_text": "each sublayer reads a softmax-weighted mixture over all earlier blocks' outputs (block attention "
+                     "residuals, input-dependent mixing over depth) and its output passes through a causal "
+                     "convolution over positions: no term kind reads mixing over depth.",
+    "inkling2_loop_text": "as inkling2_text (attention over earlier blocks' outputs, convolutions over positions), and "
+                          "its blocks run in loops: no term kind reads mixing over depth.",
+    "reformer": "reversible residual layers: attention writes one half-stream and the chunked feed-forward the other "
+                "(y1 = x1 + attn(x2), y2 = x2 + ffn(y1)), and the final norm reads their concatenation "
+                "(2 * hidden_size); no term kind describes two half-streams, and nnterp finds no layers.",
+    "cpmant": "the model prepends prompt_length learned prompt tokens (and a segment embedding) inside its forward, "
+              "so its blocks run on a longer sequence than the input and an attributed position is a different "
+              "index inside them; its blocks add the residual inside their attention and FFN sub-blocks.",
+})

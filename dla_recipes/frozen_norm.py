@@ -70,10 +70,19 @@ class NormProbe:
         return FrozenNorm(norm, stream, output=output, probe=self)
 
 
-def probe_norm(norm) -> NormProbe:
-    """Probe a norm module (or an nnsight envoy of one) with zeros, ones and a +/-1 vector; see the module docstring."""
+def identity_probe(width: int) -> NormProbe:
+    """The probe of no norm at all (a family without a final norm): gain 1, bias 0, no centering."""
+    return NormProbe(bias=torch.zeros(width), gain=torch.ones(width), centers=False, eps=0.0)
+
+
+def probe_norm(norm, width: int | None = None) -> NormProbe:
+    """Probe a norm module (or an nnsight envoy of one) with zeros, ones and a +/-1 vector; see the module docstring.
+
+    ``width``: the width of the stream the norm reads, for a norm without weights (nanochat's RMSNorm), whose
+    module cannot tell it; a norm that can tell its own width uses its own.
+    """
     module = getattr(norm, "_module", norm)
-    d_model = _width(module)
+    d_model = _width(module, width)
     dtype, device = _norm_dtype(module), _norm_device(module)
     with torch.no_grad():
         probes = torch.zeros(4, d_model, dtype=torch.float32)
@@ -105,7 +114,7 @@ def probe_norm(norm) -> NormProbe:
     return NormProbe(bias=bias.to(device), gain=gain.to(device), centers=centers, eps=eps)
 
 
-def _width(module) -> int:
+def _width(module, width: int | None = None) -> int:
     shape = getattr(module, "normalized_shape", None)
     if shape is not None:
         return int(shape[-1]) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
@@ -115,7 +124,12 @@ def _width(module) -> int:
     for name in ("hidden_size", "dim", "d_model"):
         if isinstance(getattr(module, name, None), int):
             return getattr(module, name)
-    raise ValueError(f"cannot tell the width of norm {type(module).__name__}: it has no weight or normalized_shape")
+    if width is not None:  # a norm without weights: as wide as the stream it reads
+        return int(width)
+    raise ValueError(
+        f"cannot tell the width of norm {type(module).__name__}: it has no weight or normalized_shape; "
+        "pass probe_norm(norm, width=d_model)"
+    )
 
 
 class FrozenNorm(torch.nn.Module):
@@ -139,7 +153,7 @@ class FrozenNorm(torch.nn.Module):
 
     def __init__(self, norm, stream: torch.Tensor, output: torch.Tensor | None = None, probe: NormProbe | None = None):
         torch.nn.Module.__init__(self)  # explicit: nnsight ships this class by source, without a __class__ cell
-        probe = probe if probe is not None else probe_norm(norm)
+        probe = probe if probe is not None else probe_norm(norm, stream.shape[-1])
         with torch.no_grad():
             if output is None:
                 output = norm(stream)

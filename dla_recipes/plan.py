@@ -36,6 +36,8 @@ class PlannedTerm:
         shared_width: experts split: the shared expert's neurons (0: none).
         parallel: the sublayer reads the same stream as the term before it (``Term.parallel`` resolved).
         routed_scale, shared_scale: experts split: the layout's scales of the routed experts and the shared expert.
+        stream_multiplier, projection_multiplier: ``Term.stream_multiplier`` / ``Term.projection_multiplier``
+            resolved to floats (1.0 when none).
     """
 
     term: Term
@@ -49,6 +51,8 @@ class PlannedTerm:
     parallel: bool = False
     routed_scale: float = 1.0
     shared_scale: float = 1.0
+    stream_multiplier: float = 1.0
+    projection_multiplier: float = 1.0
 
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
@@ -88,6 +92,7 @@ class Plan:
     logit_scale: float
     softcap: float | None
     num_heads: int
+    head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
 
     def labels(self, by: Granularity = "block", stop: "Stop | None" = None) -> list[str]:
         """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` /
@@ -196,6 +201,14 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
     raise FamilyTableError(f"{type(module).__name__} is not a linear projection (nn.Linear or Conv1D)")
 
 
+def _scalar(value, config, layer: int) -> float:
+    """A term's scalar resolved for block ``layer``: 1.0 (None), ``config[value]`` (a name, or ``"name[i]"`` for a
+    list item), or ``value(config, layer)``."""
+    if value is None:
+        return 1.0
+    return float(value(config, layer)) if callable(value) else config_value(config, value)
+
+
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
 
 
@@ -249,15 +262,15 @@ def _build_plan(model, family: Family) -> Plan:
         for term in layer_terms(family, layer):
             for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
                          term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
-                         term.projection_bias, term.reads, term.then, term.hyper):
+                         term.projection_bias, term.reads, term.then, term.hyper, term.stream_norm,
+                         term.stream_norm_after, term.output_gate, term.position_conv,
+                         term.projection_scale):
                 if path and path not in ("output", "input") and not _has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
                         f"(term {term.name!r}); the family table entry does not describe this model"
                     )
-            multiplier = 1.0
-            if term.multiplier is not None:
-                multiplier = config_value(config, term.multiplier)
+            multiplier = _scalar(term.multiplier, config, i)
             parts = width = experts = expert_width = shared_width = 0
             routed_scale = shared_scale = 1.0
             transposed = False
@@ -293,7 +306,8 @@ def _build_plan(model, family: Family) -> Plan:
             parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
             planned.append(
                 PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
-                            routed_scale, shared_scale)
+                            routed_scale, shared_scale, _scalar(term.stream_multiplier, config, i),
+                            _scalar(term.projection_multiplier, config, i))
             )
         layers.append(tuple(planned))
     logit_scale = 1.0
@@ -302,4 +316,5 @@ def _build_plan(model, family: Family) -> Plan:
     if family.logits_over is not None:
         logit_scale /= float(getattr(config, family.logits_over))
     softcap = float(getattr(config, family.softcap)) if family.softcap and getattr(config, family.softcap, None) else None
-    return Plan(family, tuple(layers), logit_scale, softcap, num_heads)
+    head_input_scale = 1.0 / float(getattr(config, family.head_input_over)) if family.head_input_over else 1.0
+    return Plan(family, tuple(layers), logit_scale, softcap, num_heads, head_input_scale)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .families import Term, family_of
-from .plan import _config, config_value, layer_terms, module_at
+from .plan import _config, _scalar, layer_terms, module_at
 
 
 def read_site(layer, site: str, batch_size: int | None = None):
@@ -32,7 +32,7 @@ def read_site(layer, site: str, batch_size: int | None = None):
     path, io = site.rsplit(".", 1) if "." in site else ("", site)
     envoy = module_at(layer, path) if path else layer
     value = getattr(envoy, io)
-    value = value[0] if isinstance(value, tuple) else value
+    value = value[0] if isinstance(value, (tuple, list)) else value
     if batch_size is not None and value.dim() == 2:
         value = value.unflatten(0, (batch_size, -1))
     return value
@@ -66,7 +66,7 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
     if term.scale is not None:
         value = value * module_at(layer, term.scale)
     if term.multiplier is not None:
-        value = value * config_value(_config(model), term.multiplier)
+        value = value * _scalar(term.multiplier, _config(model), i)
     return value
 
 
@@ -78,7 +78,7 @@ def layer_input(model, i: int) -> torch.Tensor:
 def layer_output(model, i: int) -> torch.Tensor:
     """``[batch, pos, d_model]``: the residual stream leaving block ``i``."""
     value = model.layers[i].output
-    return value[0] if isinstance(value, tuple) else value
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 def attention_output(model, i: int) -> torch.Tensor:
@@ -103,6 +103,11 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
         raise ValueError(
             f"block {i}'s attention is a mixture of attention: each token's heads live in the experts it was routed "
             "to, grouped by expert, so there is no [batch, pos, heads, head_dim] tensor; use attribute(by='head')"
+        )
+    if term.split != "heads":
+        raise ValueError(
+            f"block {i}'s attention does not split into heads in this family ({family_of(model).name}): "
+            "its write is read as one term (see its notes in dla_recipes/families.py)"
         )
     heads = int(getattr(model, "num_heads", None) or _config(model).num_attention_heads)
     value = read_site(model.layers[i], f"{term.projection}.input")

@@ -12,7 +12,9 @@ the same for a direction read by any block's norm. The math, for every family:
    carried by what later acts on the stream. Static maps (Doge's gates, ZAYA's residual scaling, Gemma-4's
    ``layer_scalar``) are pulled back into each term's direction before the forward pass reads it; input-dependent
    stream mixing (DeepSeek-V4's hyper-connections) is carried forward as per-stream weights and read along the
-   final collapse at the end.
+   final collapse at the end. A norm applied to the stream itself (MiniMax, RWKV, OpenAI GPT's post-norm blocks) is
+   frozen at its real input: its static part (gain, centering) is pulled back before the forward pass, and its
+   scale, read in the trace, multiplies everything written before it.
 3. Each block's values are read in forward order, then reduced to a few numbers (``layer_scores``): a block term
    to one (its value at the position, dotted with its direction); a split term to one per head, neuron or expert:
    the direction is pulled back through the term's multiplier, outer and post norms (frozen at their real inputs)
@@ -35,9 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import FamilyTableError
-from .frozen_norm import FrozenNorm, NormProbe, probe_norm
+from .frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
-from .readers import layer_input, read_site
+from .readers import layer_input, layer_output, read_site
 
 
 @dataclass
@@ -95,9 +97,10 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
     """Pull ``direction`` ``[batch, d_model]`` on the stream at ``stop`` (None: the final norm's input) back to
     every term written before it.
 
-    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant)`` for term ``k``
-    of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, and ``constant``
-    ``[batch]`` is what a stream bias added with it (ZAYA's residual bias) contributes.
+    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant, after)`` for term
+    ``k`` of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, ``constant``
+    ``[batch]`` is what a stream bias or a stream norm's bias added with it (ZAYA, MiniMax) contributes, and
+    ``after`` what the bias of a norm right after it contributes (not scaled by that norm).
     """
     v = direction
     blocks = plan.terms_before(stop)
@@ -111,13 +114,24 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
         for planned in reversed(blocks[i]):
             term = planned.term
             constant: torch.Tensor | float = 0.0
+            after: torch.Tensor | float = 0.0  # a norm right after the add: its bias, then its static part
+            if term.stream_norm_after is not None:
+                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1])
+                after = _dot(v, probe.bias.to(v.device))
+                v = probe.center(probe.gain.to(v.device) * v)
             if term.stream_scale is not None:
                 v_before = v * _param(layer, term.stream_scale).to(v.device)
             else:
                 v_before = v
+            if planned.stream_multiplier != 1.0:
+                v_before = v_before * planned.stream_multiplier
             if term.stream_bias is not None:
                 constant = _dot(v_before, _param(layer, term.stream_bias))
-            entries.append((v, constant))
+            if term.stream_norm is not None:  # its static part; its scale is read in the trace (decompose)
+                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1])
+                constant = constant + _dot(v_before, probe.bias.to(v_before.device))
+                v_before = probe.center(probe.gain.to(v_before.device) * v_before)
+            entries.append((v, constant, after))
             v = v_before
         per_layer[i] = entries[::-1]
     return v, per_layer
@@ -162,8 +176,8 @@ def _at(value: torch.Tensor, rows, positions) -> torch.Tensor:
 
 def _frozen(norm, rows, positions, batch: int) -> FrozenNorm:
     """A norm envoy frozen at its real input at the attributed positions (reads its input, then its output)."""
-    probe = probe_norm(norm)
     stream = _at(read_site(norm, "input", batch), rows, positions)
+    probe = probe_norm(norm, stream.shape[-1])
     return probe.freeze(stream, _at(read_site(norm, "output", batch), rows, positions))
 
 
@@ -171,16 +185,34 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
     """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``)."""
     term, batch = planned.term, rows.shape[0]
     data: dict = {}
+    if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
+        data["stream_norm"] = _frozen(module_at(layer, term.stream_norm), rows, positions, batch)
+    data.update(_read_value(layer, planned, mode, rows, positions))
+    if term.stream_norm_after is not None:  # ... and a norm right after the add, after it
+        data["stream_norm_after"] = _frozen(module_at(layer, term.stream_norm_after), rows, positions, batch)
+    return data
+
+
+def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) -> dict:
+    """The term's own reads (its value, or what its split needs), in forward order."""
+    term, batch = planned.term, rows.shape[0]
+    data: dict = {}
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
-        post, comb = module_at(layer, term.hyper).output[:2]
-        data["hyper"] = (_at(post, rows, positions), _at(comb, rows, positions))
+        post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
+        comb = _at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
+        data["hyper"] = (_at(post, rows, positions), comb)
     if mode is None:
         data["value"] = _at(read_site(layer, term.output, batch), rows, positions)
         return data
     if term.router is not None:
         data.update(_read_routed(layer, term, rows, positions))
+    elif mode in ("heads", "neurons") and term.position_conv is not None:
+        data.update(_read_lags(layer, term, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+        if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
+            data["output_gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.output_gate), "output", batch),
+                                                    rows, positions))
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -222,6 +254,39 @@ def _read_experts(layer, planned: PlannedTerm, rows, positions) -> dict:
     index, weights = index.reshape(hidden.shape[0], -1), weights.reshape(hidden.shape[0], -1)
     tokens = rows.to(hidden.device) * (hidden.shape[0] // batch) + positions.to(hidden.device)
     return {"hidden": hidden[tokens].float(), "index": index[tokens], "weights": weights[tokens].float()}
+
+
+def _read_lags(layer, term, rows, positions) -> dict:
+    """A position convolution's reads: the projection's inputs at the ``K`` positions ``p, p - 1, ... p - K + 1``
+    (``lag_inputs [batch, K, in]``), whether each exists (``lag_valid [batch, K]``) and the conv's padding mask
+    there (``lag_mask [batch, K]``, 0 at pads and before the sequence)."""
+    full = read_site(module_at(layer, term.projection), "input", rows.shape[0])  # [batch, pos, ...]
+    conv = module_at(layer, term.position_conv)
+    width = int(conv.conv1d.weight.shape[-1])
+    lags = positions.to(full.device)[:, None] - torch.arange(width, device=full.device)[None, :]  # [batch, K]
+    valid, q = lags >= 0, lags.clamp(min=0)
+    inputs = full[rows.to(full.device)[:, None], q].float().flatten(2)
+    mask = conv.inputs[1].get("conv_mask")
+    mask = mask[rows.to(mask.device)[:, None], q.to(mask.device)].float() if mask is not None else torch.ones(q.shape)
+    return {"lag_inputs": inputs, "lag_valid": valid.float(), "lag_mask": mask.to(valid.device) * valid.float()}
+
+
+def _conv_scores(layer, planned: PlannedTerm, data: dict, u: torch.Tensor):
+    """``(parts [batch, parts], bias constant)`` of a split term under a position convolution: the direction at
+    lag ``l`` is ``u * (1[l = 0] + w[:, K - 1 - l] * mask_l)``, pulled back through the projection and read along
+    the projection's input at ``p - l``."""
+    conv = module_at(layer, planned.term.position_conv)
+    weight = conv.conv1d.weight.float().squeeze(1).to(u.device)  # [d, K]
+    batch, width = data["lag_mask"].shape
+    coefficients = weight.flip(-1).T[None] * data["lag_mask"].to(u.device)[..., None]  # [batch, K, d]
+    coefficients[:, 0] += 1.0  # the convolution's input is added too (its residual)
+    lagged = u[:, None] * coefficients * data["lag_valid"].to(u.device)[..., None]
+    pulled, bias = _linear_pullback(module_at(layer, planned.term.projection), lagged.flatten(0, 1), planned.transposed)
+    inputs = data["lag_inputs"]
+    per_input = (inputs * pulled.view(batch, width, -1).to(inputs.device)).sum(1)
+    parts = per_input.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    constant = bias.view(batch, width).sum(1) if isinstance(bias, torch.Tensor) else 0.0
+    return parts, constant
 
 
 def _read_routed(layer, term, rows, positions) -> dict:
@@ -362,13 +427,22 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     if "post_norm" in data:
         rest = rest + _dot(u, data["post_norm"].bias)
         u = data["post_norm"].transpose(u)
+    if planned.projection_multiplier != 1.0:
+        u = u * planned.projection_multiplier
+    if term.projection_scale is not None:
+        u = u * _param(layer, term.projection_scale).to(u.device)
     if term.router is not None:
         parts = _routed_scores(layer, planned, mode, data, u)
         rest = rest + _dot(u, _param(layer, term.projection_bias)) if term.projection_bias else rest
+    elif mode in ("heads", "neurons") and "lag_inputs" in data:
+        parts, bias = _conv_scores(layer, planned, data, u)
+        rest = rest + bias
     elif mode in ("heads", "neurons"):
         if term.then is not None:  # a second map after the projection: pull u back through it first
             u, then_bias = _linear_pullback(module_at(layer, term.then), u, False)
             rest = rest + then_bias
+        if "output_gate" in data:
+            u = u * data["output_gate"].to(u.device)
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
         parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
@@ -380,8 +454,10 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
-    """``(scores [batch, n], hyper)`` of each of one block's terms: all its reads first, in forward order, then the
-    arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None.
+    """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
+    order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
+    None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
+    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -394,22 +470,26 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
             if last == k:
                 outers[path] = _frozen(module_at(layer, path), rows, positions, rows.shape[0])
                 fit_errors.append(outers[path].fit_error)
-    fit_errors.extend(d["post_norm"].fit_error for d in datas if "post_norm" in d)
+    fit_errors.extend(d[key].fit_error for d in datas for key in ("post_norm", "stream_norm", "stream_norm_after")
+                      if key in d)
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.outer_norm
-        v, stream_constant = directions[k]
+        v, stream_constant, after_constant = directions[k]
         score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
-        scores.append((score, datas[k].get("hyper")))
+        before, after = datas[k].get("stream_norm"), datas[k].get("stream_norm_after")
+        scores.append((score, datas[k].get("hyper"), before.scale if before is not None else None,
+                       (after.scale, after_constant) if after is not None else None))
     return scores
 
 
 def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
     """``(probe, direction [batch, d_model], constant [batch])`` of the final head for these target tokens."""
-    probe: NormProbe = probe_norm(model.ln_final)
+    width = model.lm_head.weight.shape[-1]
+    probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
     weight = model.lm_head.weight
     rows = weight[targets.to(weight.device)].float()
     bias = getattr(model.lm_head, "bias", None)
@@ -419,6 +499,7 @@ def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.T
         if bias is not None:
             head_bias = head_bias - bias[contrasts.to(bias.device)].float()
     rows = rows.to(probe.gain.device)
+    rows = rows * plan.head_input_scale  # lm_head reads the final norm's output times it (MiniCPM)
     direction = plan.logit_scale * probe.center(probe.gain * rows)
     constant = plan.logit_scale * (_dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
     return probe, direction, constant
@@ -426,6 +507,11 @@ def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.T
 
 def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
     return z if cap is None else cap * torch.tanh(z / cap)
+
+
+def _scaled(scores: list, scale: torch.Tensor) -> list:
+    """Every score group ``[batch, ...]`` times a per-prompt ``scale`` ``[batch]`` (a frozen stream norm's)."""
+    return [s * scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
 
 
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
@@ -445,12 +531,18 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     for i, terms in enumerate(plan.terms_before(stop)):
-        for score, hyper in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+            if before is not None:  # a norm on the stream scales everything written before it
+                scores = _scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
-                carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
+                if comb is not None:
+                    carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
                 carried.append(post)
             scores.append(score.to(scores[0].device))
+            if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
+                scores = _scaled(scores, after[0])
+                scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         collapse = plan.family.collapse_weights(head, _at(head.input, rows, positions))  # [batch, streams]
@@ -481,8 +573,12 @@ def direct_logit_attribution(
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         scores, fit_errors = decompose(model, plan, direction, positions, by)
-        stream = model.ln_final.input  # [batch, pos, d_model]
-        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), _at(model.ln_final.output, rows, positions))
+        if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
+            stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
+        else:
+            stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]
+        normed = _at(normed, rows, positions - (stream.shape[1] - normed.shape[1]))
+        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), normed)
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
         head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
@@ -532,7 +628,7 @@ def direction_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         norm = module_at(model.layers[stop[0]], reads)
-        probe = probe_norm(norm)
+        probe = probe_norm(norm, direction.shape[-1])
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         scores, fit_errors = decompose(model, plan, probe.center(probe.gain * v), positions, by, stop)
         stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)

@@ -133,3 +133,19 @@ def test_bfloat16_norm_is_frozen_at_its_own_precision():
     with torch.no_grad():
         reference = norm(stream).float()
     assert (frozen(stream) + frozen.bias - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_norm_without_weights_is_probed_at_the_width_of_its_stream():
+    """nanochat's RMSNorm has no parameters: its width comes from the stream it reads, and freezing it at that
+    stream reproduces the module's own output."""
+    from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+
+    from dla_recipes.frozen_norm import FrozenNorm, probe_norm
+
+    norm = NanoChatRMSNorm(eps=1e-6)
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(0)) * 3
+    with pytest.raises(ValueError, match="cannot tell the width"):
+        probe_norm(norm)
+    frozen = FrozenNorm(norm, x)
+    assert frozen.gain.shape == (24,) and frozen.fit_error < 1e-6
+    assert torch.allclose(frozen(x) + frozen.bias, norm(x), atol=1e-6)

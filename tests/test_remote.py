@@ -19,6 +19,9 @@ from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port
 
 SERVED = ["gpt2", "llama", "gemma2"]  # a LayerNorm + Conv1D family, an RMSNorm/GQA family, a sandwich-norm family
+# issue 12's term kinds on a model built without weights: norms on the stream (MiniMax), post-norm blocks and no final
+# norm (OpenAI GPT), norms without weights and a final norm that also runs before the blocks (nanochat)
+SERVED += ["minimax", "openai_gpt", "nanochat"]
 
 
 @pytest.fixture(scope="module")

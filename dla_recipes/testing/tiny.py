@@ -74,6 +74,16 @@ FAMILIES: tuple[str, ...] = (
     "doge",
     "zaya",
     "deepseek_v4",
+    # --- new term kinds (issue 12)
+    "minicpm3",
+    "beam",
+    "minimax",
+    "rwkv",
+    "nanochat",
+    "hy_v4",
+    "inkling",
+    "openai_gpt",
+    # --- end new term kinds
     "zamba2",
     "jetmoe",
     # fam2 (issue 12)
@@ -434,6 +444,99 @@ def _cfg_deepseek_v4():
     )
 
 
+# --- new term kinds (issue 12): computed scalars, norms on the stream, norms without weights ---------------------
+
+
+def _cfg_minicpm3():
+    from transformers import MiniCPM3Config
+
+    return MiniCPM3Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=12, scale_emb=2.5, scale_depth=1.4, dim_model_base=16,
+        )
+    )
+
+
+def _cfg_beam():
+    from transformers import BeamConfig
+
+    return BeamConfig(
+        **_llama_like(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+            mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, final_logit_softcapping=SOFTCAP,
+        )
+    )
+
+
+def _cfg_minimax():
+    from transformers import MiniMaxConfig
+
+    return MiniMaxConfig(
+        **_llama_like(
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            full_attn_alpha_factor=0.7, full_attn_beta_factor=1.3, linear_attn_alpha_factor=0.8,
+            linear_attn_beta_factor=1.2, mlp_alpha_factor=0.9, mlp_beta_factor=1.1,
+        )
+    )
+
+
+def _cfg_rwkv():
+    from transformers import RwkvConfig
+
+    return RwkvConfig(
+        vocab_size=VOCAB, context_length=MAX_POS, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+        attention_hidden_size=HIDDEN, intermediate_size=INTER, pad_token_id=PAD_ID, bos_token_id=0, eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+
+
+def _cfg_nanochat():
+    from transformers import NanoChatConfig
+
+    return NanoChatConfig(**_llama_like(num_key_value_heads=HEADS, final_logit_softcapping=SOFTCAP))
+
+
+def _cfg_hy_v4():
+    from transformers import HYV4Config
+
+    return HYV4Config(
+        **_llama_like(
+            num_key_value_heads=HEADS, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=12, mlp_layer_types=["dense", "sparse", "sparse"], hc_mult=3, index_topk=2, index_head_dim=8,
+            index_n_heads=2, swiglu_limit=0.5,
+        )
+    )
+
+
+def _cfg_inkling():
+    from transformers.models.inkling.configuration_inkling import InklingTextConfig
+
+    return InklingTextConfig(
+        **_llama_like(
+            head_dim=16, swa_num_attention_heads=HEADS, swa_num_key_value_heads=KV_HEADS, swa_head_dim=16,
+            sliding_window_size=4, d_rel=4, rel_extent=16, layer_types=None, local_layer_ids=[0, 2],
+            mlp_layer_types=["dense", "sparse", "sparse"], moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, logits_mup_width_multiplier=0.5, conv_kernel_size=3,
+            initializer_range=0.1,  # logits of order 1: a forgotten scale must show above the 1e-4 tolerance
+        )
+    )
+
+
+def _cfg_openai_gpt():
+    from transformers import OpenAIGPTConfig
+
+    return OpenAIGPTConfig(
+        vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD_ID,
+    )
+
+
+# --- end new term kinds ------------------------------------------------------------------------------------------
+
+
 def _cfg_zamba2():
     from transformers import Zamba2Config
 
@@ -612,6 +715,16 @@ _CONFIGS: dict[str, Callable[[], Any]] = {
     "doge": _cfg_doge,
     "zaya": _cfg_zaya,
     "deepseek_v4": _cfg_deepseek_v4,
+    # --- new term kinds (issue 12)
+    "minicpm3": _cfg_minicpm3,
+    "beam": _cfg_beam,
+    "minimax": _cfg_minimax,
+    "rwkv": _cfg_rwkv,
+    "nanochat": _cfg_nanochat,
+    "hy_v4": _cfg_hy_v4,
+    "inkling": _cfg_inkling,
+    "openai_gpt": _cfg_openai_gpt,
+    # --- end new term kinds
     "zamba2": _cfg_zamba2,
     "jetmoe": _cfg_jetmoe,
     **FAM2_CONFIGS,
@@ -654,6 +767,16 @@ _MODEL_CLASSES: dict[str, str] = {
     "doge": "DogeForCausalLM",
     "zaya": "ZayaForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
+    # --- new term kinds (issue 12)
+    "minicpm3": "MiniCPM3ForCausalLM",
+    "beam": "BeamForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "rwkv": "RwkvForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
+    "inkling": "InklingForCausalLM",
+    "openai_gpt": "OpenAIGPTLMHeadModel",
+    # --- end new term kinds
     "zamba2": "Zamba2ForCausalLM",
     "jetmoe": "JetMoeForCausalLM",
     **FAM2_MODEL_CLASSES,

@@ -1,0 +1,57 @@
+"""The term kinds of issue 12 are load-bearing: a family entry without one of them no longer sums to the model's logit.
+
+Each case drops one field (a computed scalar, a norm on the stream, a post-norm, an output gate, a position
+convolution, a learned projection scale) from the terms of the family that needs it, and checks that
+``attribute`` refuses with an ``ExactnessError`` rather than return parts that do not sum to the model's own logit.
+The same families with the field in place are checked exact in test_families.py.
+"""
+
+import dataclasses
+
+import pytest
+from conftest import CONTRAST, PROMPTS, TARGET, tiny_model
+
+import dla_recipes
+from dla_recipes import families
+
+CASES = [
+    ("minicpm3", "minicpm3", "multiplier", "block"),
+    ("beam", "beam", "stream_multiplier", "block"),
+    ("beam", "beam", "projection_multiplier", "neuron"),
+    ("minimax", "minimax", "stream_norm", "block"),
+    ("minimax", "minimax", "stream_multiplier", "block"),
+    ("rwkv", "rwkv", "stream_norm", "block"),
+    ("rwkv", "rwkv", "output_gate", "neuron"),
+    ("openai-gpt", "openai_gpt", "stream_norm_after", "block"),
+    ("inkling", "inkling", "position_conv", "head"),
+    ("inkling", "inkling", "projection_scale", "neuron"),
+]
+
+
+@pytest.mark.parametrize("entry,tiny_name,field,by", CASES)
+def test_dropping_a_term_kind_breaks_exactness(entry, tiny_name, field, by, monkeypatch):
+    model = tiny_model(tiny_name)
+    family = next(f for f in families.FAMILIES if f.name == entry)
+    kinds = tuple(
+        dataclasses.replace(kind, terms=tuple(dataclasses.replace(t, **{field: None}) for t in kind.terms))
+        for kind in family.kinds
+    )
+    crippled = dataclasses.replace(family, kinds=kinds)
+    monkeypatch.setattr(families, "FAMILIES", tuple(crippled if f is family else f for f in families.FAMILIES))
+    dla_recipes.build_plan.cache_clear()
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match="parts sum to"):
+            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+    finally:
+        dla_recipes.build_plan.cache_clear()
+
+
+@pytest.mark.parametrize("model_type", ["dory", "gemma3n_text", "qwen4_exp_text", "inkling2_text", "inkling2_loop_text",
+                                        "reformer", "cpmant"])
+def test_types_no_term_kind_describes_are_refused_with_the_reason(model_type):
+    from types import SimpleNamespace
+
+    reason = families.REFUSED[model_type]
+    with pytest.raises(dla_recipes.UnknownFamilyError, match="refuses model_type") as refusal:
+        dla_recipes.family_of(SimpleNamespace(model_type=model_type))
+    assert reason in str(refusal.value)
