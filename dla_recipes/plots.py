@@ -214,16 +214,19 @@ def static_png(fig, width: int = 900) -> bytes | None:
             label = trace.colorbar.title.text if trace.colorbar and trace.colorbar.title else None
             figure.colorbar(image, ax=ax, label=label or "")
         elif trace.type == "bar" and trace.orientation == "h":
-            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color)
+            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color or _COLORS["attn"])
             ax.invert_yaxis()
             ax.axvline(0, color="black", linewidth=0.6)
         elif trace.type == "bar":
-            for x, y in zip(trace.x, trace.y):
-                columns[x] = (y, trace.marker.color, trace.name)
+            spread = trace.error_y.array if trace.error_y and trace.error_y.array is not None else [None] * len(trace.x)
+            for x, y, e in zip(trace.x, trace.y, spread):
+                columns[x] = (y, trace.marker.color or _COLORS["attn"], trace.name, e)
     if columns:
         order = list(layout.xaxis.categoryarray or columns)
         order = [x for x in order if x in columns] + [x for x in columns if x not in order]
-        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order])
+        errors = [columns[x][3] for x in order]
+        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order],
+               yerr=None if all(e is None for e in errors) else [e or 0.0 for e in errors], error_kw={"linewidth": 0.6})
         ax.set_xticks(range(len(order)), order, rotation=90, fontsize=6 if len(order) > 20 else 8)
         ax.set_xlim(-0.6, len(order) - 0.4)
         ax.axhline(0, color="black", linewidth=0.6)
