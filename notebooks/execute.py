@@ -359,6 +359,8 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
     except Exception as exc:  # noqa: BLE001 - a kernel that died or timed out: report it as the notebook's failure
         error = f"{type(exc).__name__}: {exc}"
     finally:
+        if km.has_kernel:  # nbclient leaves a kernel it did not create running: stop it (it holds a model)
+            km.shutdown_kernel(now=True)
         sockets.cleanup()
     seconds = time.perf_counter() - start
     nb.metadata["dla_recipes"] = {**wanted, "seconds": round(seconds, 2), "python": sys.version.split()[0]}

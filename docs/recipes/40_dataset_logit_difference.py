@@ -1,5 +1,6 @@
 # Title: A logit difference over a small dataset
 # Eight landmark prompts, each attributed (right city minus a wrong one) per block: each component's mean and spread.
+import pandas as pd
 import plotly.graph_objects as go
 from IPython.display import display
 
@@ -20,9 +21,10 @@ data = [  # prompt, right city, a wrong city
 prompts, right, wrong = zip(*data)
 attr = dla_recipes.attribute(model, list(prompts), list(right), contrast=list(wrong))  # one padded batch
 frame = attr.to_frame().drop(index=["constant", "logit"])  # [components, prompts]
-stats = frame.T.agg(["mean", "std"]).T.assign(positive=(frame > 0).mean(1))
+stats = pd.DataFrame({"mean": frame.mean(axis=1), "std": frame.std(axis=1), "share > 0": (frame > 0).mean(axis=1)})
 print(f"logit differences: {[round(x, 2) for x in attr.logit.tolist()]}, largest error {attr.error:.1e}")
-display(stats.reindex(stats["mean"].abs().sort_values(ascending=False).index).head(8).style.format("{:+.3f}"))
+largest = stats.reindex(stats["mean"].abs().sort_values(ascending=False).index).head(8)
+display(largest.style.format({"mean": "{:+.3f}", "std": "{:.3f}", "share > 0": "{:.0%}"}))
 
 fig = go.Figure(go.Bar(x=stats.index, y=stats["mean"], error_y=dict(type="data", array=stats["std"])))
 fig.update_layout(title=f"Mean ± std over {len(attr)} prompts: logit(right city) - logit(wrong city)",
