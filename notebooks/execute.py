@@ -60,6 +60,7 @@ class Result:
     output: Path | None
     error: str | None = None
     reused: bool = False
+    cpu_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -227,7 +228,8 @@ def execute_recipes(*, reuse: bool = False, keep_ndif_key: bool = False, log=pri
     for path in recipes():
         result = execute(path, out_dir, reuse=reuse, keep_ndif_key=keep_ndif_key)
         status = "reused" if result.reused else ("ok" if result.ok else "FAILED")
-        log(f"{'recipe ' + result.name:<28} {result.seconds:7.1f} s  {status}")
+        cpu = f"(kernel CPU {result.cpu_seconds:.1f} s)" if result.cpu_seconds is not None else ""
+        log(f"{'recipe ' + result.name:<36} {result.seconds:7.1f} s  {status} {cpu}")
         results.append(result)
     total = write_timings(results, out_dir, key="recipes")
     log(f"{'recipes total':<28} {total:7.1f} s  (each alone in a fresh kernel)")
@@ -258,14 +260,18 @@ def build_gallery(results: list[Result], out_dir: Path = OUT_DIR) -> Path:
     missing = [recipe.name for recipe in chosen if recipe.name not in by_name]
     if missing:
         raise RuntimeError(f"recipes not executed: {', '.join(missing)}")
-    rows = "\n".join(f"| [{r.title}](#{_anchor(r.title)}) | {r.summary} | {by_name[r.name].seconds:.0f} s |"
-                     for r in chosen)
+    def took(result: Result) -> str:
+        cpu = f" ({result.cpu_seconds:.0f} s CPU)" if result.cpu_seconds is not None else ""
+        return f"{result.seconds:.0f} s{cpu}"
+
+    rows = "\n".join(f"| [{r.title}](#{_anchor(r.title)}) | {r.summary} | {took(by_name[r.name])} |" for r in chosen)
     cells = [nbformat.v4.new_markdown_cell(
         "# Recipe gallery\n\n"
         "Each recipe is **one cell** that runs alone in a fresh Jupyter kernel: imports, model, prompts, result and "
         "plot. Paste it into a notebook, or download it (`.py` or a one-cell `.ipynb`). CI runs every recipe this "
         "way, each in its own fresh kernel (`tests/test_gallery.py`); the outputs below come from that run, and the "
-        "time is the whole run of the cell in its new kernel, imports and model loading included.\n\n"
+        "time is the whole run of the cell in its new kernel, imports and model loading included (wall clock, and the "
+        "kernel's CPU time, which does not depend on what else the machine was running).\n\n"
         "| recipe | what it shows | time |\n|---|---|---|\n" + rows, id="gallery-intro")]
     for recipe in chosen:
         executed = nbformat.read(by_name[recipe.name].output, as_version=4)
@@ -273,14 +279,16 @@ def build_gallery(results: list[Result], out_dir: Path = OUT_DIR) -> Path:
                  f"[`{recipe.name}.ipynb`](../recipes/{recipe.name}.ipynb)")
         cells.append(nbformat.v4.new_markdown_cell(
             f"## {recipe.title}\n\n{recipe.summary}\n\n"
-            f'<span class="dla-recipe-meta">Ran alone in a fresh kernel in {by_name[recipe.name].seconds:.1f} s · '
+            f'<span class="dla-recipe-meta">Ran alone in a fresh kernel in {took(by_name[recipe.name])} · '
             f"download</span> {links}", id=f"{recipe.name}-about"))
         cells.append(executed.cells[0])
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata.update({"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
                         "language_info": {"name": "python"},
                         "dla_recipes": {**gallery_fingerprint(), "seconds": round(sum(r.seconds for r in results), 2),
-                                        "recipes": {r.name: round(by_name[r.name].seconds, 2) for r in chosen}}})
+                                        "recipes": {r.name: {"seconds": round(by_name[r.name].seconds, 2),
+                                                             "cpu_seconds": by_name[r.name].cpu_seconds}
+                                                    for r in chosen}}})
     target = gallery_path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, target)
@@ -331,7 +339,9 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
         return _DONE[key]
     target = executed_path(source, out_dir)
     if reuse and is_fresh(source, out_dir):
-        result = Result(source.stem, float(stamp(target).get("seconds", 0.0)), target, reused=True)
+        found = stamp(target)
+        result = Result(source.stem, float(found.get("seconds", 0.0)), target, reused=True,
+                        cpu_seconds=found.get("cpu_seconds"))
         _DONE[key] = result
         return result
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -359,19 +369,33 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
     except Exception as exc:  # noqa: BLE001 - a kernel that died or timed out: report it as the notebook's failure
         error = f"{type(exc).__name__}: {exc}"
     finally:
+        seconds = time.perf_counter() - start
+        cpu_seconds = _kernel_cpu_seconds(km)
         if km.has_kernel:  # nbclient leaves a kernel it did not create running: stop it (it holds a model)
             km.shutdown_kernel(now=True)
         sockets.cleanup()
-    seconds = time.perf_counter() - start
-    nb.metadata["dla_recipes"] = {**wanted, "seconds": round(seconds, 2), "python": sys.version.split()[0]}
+    nb.metadata["dla_recipes"] = {**wanted, "seconds": round(seconds, 2), "cpu_seconds": cpu_seconds,
+                                  "python": sys.version.split()[0]}
     if error is None:
         nbformat.write(nb, target)
-        result = Result(source.stem, seconds, target)
+        result = Result(source.stem, seconds, target, cpu_seconds=cpu_seconds)
     else:
         nbformat.write(nb, failed)
-        result = Result(source.stem, seconds, failed, error=error)
+        result = Result(source.stem, seconds, failed, error=error, cpu_seconds=cpu_seconds)
     _DONE[key] = result
     return result
+
+
+def _kernel_cpu_seconds(km) -> float | None:
+    """CPU seconds the kernel process used (user + system): the run's cost whatever else shares the machine."""
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    try:
+        import psutil
+
+        times = psutil.Process(process.pid).cpu_times()
+        return round(times.user + times.system + times.children_user + times.children_system, 2)
+    except Exception:  # noqa: BLE001 - no psutil, or the kernel already gone: not measured
+        return None
 
 
 def execute_all(out_dir: Path = OUT_DIR, *, names=None, reuse: bool = False, keep_ndif_key: bool = False,
@@ -405,7 +429,8 @@ def write_timings(results: list[Result], out_dir: Path = OUT_DIR, key: str = "no
     total."""
     total = sum(r.seconds for r in results)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    timings = {r.name: {"seconds": round(r.seconds, 2), "ok": r.ok, "reused": r.reused} for r in results}
+    timings = {r.name: {"seconds": round(r.seconds, 2), "cpu_seconds": r.cpu_seconds, "ok": r.ok, "reused": r.reused}
+               for r in results}
     (Path(out_dir) / "timings.json").write_text(
         json.dumps({key: timings, "total_seconds": round(total, 2)}, indent=2) + "\n")
     return total
