@@ -1,7 +1,8 @@
 """Plots of an ``Attribution`` for notebooks and the docs: a per-block bar chart, a layer x head heatmap, top-k views.
 
-plotly (figures) and matplotlib (the static fallback of ``show``) are optional: they are imported inside the
-functions, so ``import dla_recipes`` never needs them (``pip install "dla_recipes[docs]"`` brings both).
+plotly (figures), matplotlib (the static fallback of ``show``) and jinja2 (pandas' table styling) are optional: they
+are imported inside the functions, so ``import dla_recipes`` never needs them; ``pip install "dla_recipes[plots]"``
+brings all three, and a figure function without plotly raises an ImportError that says so.
 
     from dla_recipes import plots
     plots.blocks_bar(attr)            # contributions per block term (embed, L0.attn, L0.mlp, ...), forward order
@@ -29,6 +30,18 @@ import torch
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
            "ple": "#9467bd"}
 _OTHER = "#8c564b"
+
+
+_INSTALL = 'pip install "dla_recipes[plots]"  (or: pip install plotly matplotlib jinja2)'
+
+
+def _plotly():
+    """``plotly.graph_objects``, or an ImportError that says how to get it."""
+    try:
+        import plotly.graph_objects as go
+    except ImportError as error:
+        raise ImportError(f"dla_recipes.plots draws with plotly, which is not installed: {_INSTALL}") from error
+    return go
 
 
 def _title(attr, prompt: int, what: str, quantity: str | None = None) -> str:
@@ -71,7 +84,7 @@ def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
     Works at any granularity (parts are summed into their block, see ``block_values``). The title holds the logit
     the bars and the constant sum to.
     """
-    import plotly.graph_objects as go
+    go = _plotly()
 
     prompt = _check_prompt(attr, prompt)
     series = block_values(attr, prompt)
@@ -103,7 +116,7 @@ def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
     what the parts sum to in the title (default: the attributed logit, e.g. ``"logit(' Paris')"``); the same
     argument exists on every figure function here.
     """
-    import plotly.graph_objects as go
+    go = _plotly()
 
     prompt = _check_prompt(attr, prompt)
     grid = attr.grid("H")[prompt]  # [layers, heads], NaN where absent
@@ -126,7 +139,7 @@ def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
 
 def top_bar(attr, k: int = 20, prompt: int = 0, quantity: str | None = None):
     """Horizontal bars of the ``k`` largest components by absolute value (largest at the top)."""
-    import plotly.graph_objects as go
+    go = _plotly()
 
     prompt = _check_prompt(attr, prompt)
     top = attr.top(k, prompt)
@@ -148,15 +161,22 @@ def top_bar(attr, k: int = 20, prompt: int = 0, quantity: str | None = None):
 
 
 def top_table(attr, k: int = 10, prompt: int = 0, quantity: str | None = None):
-    """The ``k`` largest components as a pandas ``Styler``: signed values with bars centred at 0, and shares.
+    """The ``k`` largest components as a pandas ``Styler``: signed values, shares, and bars centred at 0.
 
-    The HTML table carries the class ``dla-top-table``.
+    The bars sit in a last, unlabelled column of their own (negative to the left, positive to the right), clear of
+    the numbers. The HTML table carries the class ``dla-top-table``.
     """
     prompt = _check_prompt(attr, prompt)
+    try:
+        import jinja2  # noqa: F401  (pandas' Styler renders with it)
+    except ImportError as error:
+        raise ImportError(f"dla_recipes.plots.top_table styles a pandas table, which needs jinja2: {_INSTALL}") from error
     top = attr.top(k, prompt)
+    top[""] = top["value"]  # the bars get a column of their own, so a long negative bar never covers a number
     return (
-        top.style.format({"value": "{:+.4f}", "share": "{:+.1%}"})
-        .bar(subset=["value"], align="zero", color=["#f4a6a6", "#9ecae1"])
+        top.style.format({"value": "{:+.4f}", "share": "{:+.1%}", "": lambda _: ""})
+        .bar(subset=[""], align="zero", color=["#f4a6a6", "#9ecae1"], width=100, height=70)
+        .set_properties(subset=[""], **{"min-width": "9em"})
         .hide(axis="index")
         .set_table_attributes('class="dla-top-table"')
         .set_caption(_title(attr, prompt, f"Top {len(top)} by {attr.by}", quantity))
@@ -194,16 +214,19 @@ def static_png(fig, width: int = 900) -> bytes | None:
             label = trace.colorbar.title.text if trace.colorbar and trace.colorbar.title else None
             figure.colorbar(image, ax=ax, label=label or "")
         elif trace.type == "bar" and trace.orientation == "h":
-            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color)
+            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color or _COLORS["attn"])
             ax.invert_yaxis()
             ax.axvline(0, color="black", linewidth=0.6)
         elif trace.type == "bar":
-            for x, y in zip(trace.x, trace.y):
-                columns[x] = (y, trace.marker.color, trace.name)
+            spread = trace.error_y.array if trace.error_y and trace.error_y.array is not None else [None] * len(trace.x)
+            for x, y, e in zip(trace.x, trace.y, spread):
+                columns[x] = (y, trace.marker.color or _COLORS["attn"], trace.name, e)
     if columns:
         order = list(layout.xaxis.categoryarray or columns)
         order = [x for x in order if x in columns] + [x for x in columns if x not in order]
-        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order])
+        errors = [columns[x][3] for x in order]
+        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order],
+               yerr=None if all(e is None for e in errors) else [e or 0.0 for e in errors], error_kw={"linewidth": 0.6})
         ax.set_xticks(range(len(order)), order, rotation=90, fontsize=6 if len(order) > 20 else 8)
         ax.set_xlim(-0.6, len(order) - 0.4)
         ax.axhline(0, color="black", linewidth=0.6)

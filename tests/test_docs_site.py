@@ -36,8 +36,9 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
     "--hide-scrollbars",
 )
-PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
-         "api/"]
+NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
+                  "ablate-patch-steer/", "gallery/"]
+PAGES = ["", *NOTEBOOK_PAGES, "api/"]
 
 needs_browser = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
@@ -157,14 +158,20 @@ def test_quickstart_renders_table_and_heatmap(server, browser):
     tables = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "table.dla-top-table"), what="top-k tables")
     first = tables[0]
     headers = [th.text.strip() for th in first.find_elements(By.CSS_SELECTOR, "thead th")]
-    assert headers == ["component", "value", "share"], headers
+    assert headers == ["component", "value", "share", ""], headers  # the bars in a last column of their own
     rows = [[td.text.strip() for td in tr.find_elements(By.TAG_NAME, "td")]
             for tr in first.find_elements(By.CSS_SELECTOR, "tbody tr")]
     assert len(rows) == 10, rows
-    for component, value, share in rows:
+    for component, value, share, bar in rows:
         assert re.fullmatch(r"embed|L\d+\.\w+", component), component
         assert re.fullmatch(r"[+-]\d+\.\d{4}", value), value
         assert share.endswith("%"), share
+        assert bar == "", bar
+    # no bar is drawn behind a number: the value cells carry no background gradient
+    value_cells = first.find_elements(By.CSS_SELECTOR, "tbody td:nth-child(2)")
+    assert not [c for c in value_cells if "gradient" in c.value_of_css_property("background-image")]
+    bar_cells = first.find_elements(By.CSS_SELECTOR, "tbody td:nth-child(4)")
+    assert all("gradient" in c.value_of_css_property("background-image") for c in bar_cells)
     assert first.is_displayed() and first.size["height"] > 100
 
     # the heatmap: drawn by the site's plotly.js into the div with the known id, the static PNG removed
@@ -236,3 +243,88 @@ def test_every_page_renders_its_plots(server, browser, page):
               what=f"plotly to draw the {len(plots)} plots of {page}")
     errors = _page_errors(browser)
     assert not errors, f"{page}: {errors}"
+
+
+@needs_browser
+def test_every_notebook_page_offers_its_notebook(server, browser):
+    """Under each notebook page's title, a link to its .ipynb (no outputs) that the site serves and nbformat reads."""
+    import urllib.request
+
+    import nbformat
+    from selenium.webdriver.common.by import By
+
+    for page in NOTEBOOK_PAGES:
+        browser.get(server + page)
+        links = browser.find_elements(By.CSS_SELECTOR, "article .dla-download a[download]")
+        assert len(links) == 1, f"{page}: {len(links)} download links"
+        href = links[0].get_attribute("href")
+        assert href.endswith(f"/notebooks/{page.strip('/')}.ipynb"), href
+        assert links[0].is_displayed()
+        with urllib.request.urlopen(href, timeout=30) as response:
+            nb = nbformat.reads(response.read().decode("utf-8"), as_version=4)
+        code = [cell for cell in nb.cells if cell.cell_type == "code"]
+        assert code and not any(cell.outputs for cell in code), f"{page}: the download should carry no outputs"
+
+
+@needs_browser
+def test_gallery_page(server, browser):
+    """The gallery shows every recipe: heading, code, outputs, and .py / .ipynb downloads that resolve."""
+    import urllib.request
+
+    import nbformat
+    from selenium.webdriver.common.by import By
+
+    runner = notebook_runner()
+    recipes = [runner.read_recipe(path) for path in runner.recipes()]
+    browser.get(server + "gallery/")
+    _wait(browser, lambda d: d.execute_script("return document.readyState") == "complete", what="the gallery")
+    headings = [h.text.replace("¶", "").strip() for h in browser.find_elements(By.CSS_SELECTOR, "article h2")]
+    assert headings == [r.title for r in recipes], headings
+    body = browser.find_element(By.TAG_NAME, "article").text
+    for recipe in recipes:
+        assert recipe.summary in body, recipe.name
+        for suffix in (".py", ".ipynb"):
+            link = browser.find_element(By.CSS_SELECTOR, f'a[href$="recipes/{recipe.name}{suffix}"]')
+            with urllib.request.urlopen(link.get_attribute("href"), timeout=30) as response:
+                data = response.read().decode("utf-8")
+            if suffix == ".py":
+                assert data == recipe.path.read_text(encoding="utf-8")
+            else:
+                assert nbformat.reads(data, as_version=4).cells[0].source == recipe.code
+    # each recipe's cell: its code and its outputs (the per-block bar chart of the first recipe, drawn by plotly)
+    cells = browser.find_elements(By.CSS_SELECTOR, ".jp-CodeCell[id^='cell-id']")  # nbconvert nests two divs a cell
+    assert len(cells) == len(recipes)
+    assert all(cell.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output") for cell in cells)
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '[data-dla-plot="blocks_bar"] .js-plotly-plot'),
+          what="plotly to draw the first recipe's bar chart")
+    table = browser.find_element(By.CSS_SELECTOR, "article table")  # the recipe index, with each recipe's time
+    assert len(table.find_elements(By.CSS_SELECTOR, "tbody tr")) == len(recipes)
+    assert not _page_errors(browser)
+
+
+@needs_browser
+def test_families_table_fits_the_page(server, browser):
+    """The exactness table (two header rows, compact cells) is no wider than the article: no sideways scroll."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "families/")
+    table = browser.find_element(By.CSS_SELECTOR, "table.dla-compact")
+    area = browser.execute_script("return arguments[0].closest('.jp-OutputArea-output')", table)
+    assert table.size["width"] <= browser.find_element(By.CSS_SELECTOR, "article").size["width"], table.size
+    assert browser.execute_script("return arguments[0].scrollWidth <= arguments[0].clientWidth + 1", area)
+
+
+@needs_browser
+@pytest.mark.parametrize("page", NOTEBOOK_PAGES)
+def test_table_of_contents_links_land(server, browser, page):
+    """Every table-of-contents link of a notebook page points at an element of that page."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + page)
+    anchors = [a.get_attribute("href").split("#", 1)[1]  # the TOC: in-page links of the navigation
+               for a in browser.find_elements(By.CSS_SELECTOR, "a.md-nav__link")
+               if a.get_attribute("href").split("#", 1)[0] == browser.current_url.split("#", 1)[0]
+               and "#" in a.get_attribute("href")]
+    assert anchors, f"{page}: no table of contents found"
+    missing = [a for a in set(anchors) if not browser.find_elements(By.ID, a)]
+    assert not missing, f"{page}: table-of-contents anchors with no target: {missing}"
