@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="the target token, e.g. ' Paris' (one token)")
     parser.add_argument("--contrast", default=None, help="a contrast token: attribute logit(target) - logit(contrast)")
     parser.add_argument("--model", default=None, help="hub id, local folder or a short name (smollm2-135m, gemma3-270m); default: SmolLM2-135M-Instruct")
-    parser.add_argument("--by", default="block", choices=["block", "head", "neuron"], help="granularity (default: block)")
+    parser.add_argument("--by", default="block", choices=["block", "head", "neuron", "expert", "source"], help="granularity (default: block)")
     parser.add_argument("--position", type=int, default=-1, help="attributed position; negative counts from the end (default: -1)")
     parser.add_argument("--top", type=int, default=None, help="print only the N largest components (default: all at block granularity, 20 otherwise)")
     parser.add_argument("--remote", default=None, help="run on an NDIF server: 'ndif' for NDIF (NDIF_API_KEY), or a URL")
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = {} if remote else {"dtype": getattr(torch, args.dtype), "device_map": "cpu"}
         if remote:
             kwargs["remote"] = True
+        if args.by == "source":  # the attention pattern is read from eager attention's weights
+            kwargs["attn_implementation"] = "eager"
         model = dla_recipes.load(_resolve_model(args.model), **kwargs)
         attr = dla_recipes.attribute(
             model, args.prompt, args.target, contrast=args.contrast, position=args.position, by=args.by, remote=remote

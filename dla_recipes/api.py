@@ -84,7 +84,8 @@ def load(model, tokenizer=None, **kwargs):
             StandardizedTransformer (returned as is).
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
-            the model without weights for NDIF). The family table's loading needs (a ``RenameConfig`` for Phi,
+            the model without weights for NDIF; ``attn_implementation="eager"`` for ``by="source"``, also on an
+            already-built model). The family table's loading needs (a ``RenameConfig`` for Phi,
             RecurrentGemma, Zamba2; ``allow_multimodal``; ``check_renaming``) are filled in unless given.
     """
     from nnterp import StandardizedTransformer
@@ -93,6 +94,8 @@ def load(model, tokenizer=None, **kwargs):
         return model
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
+    if isinstance(model, torch.nn.Module) and "attn_implementation" in kwargs:  # a built model: switch it now
+        model.set_attn_implementation(kwargs.pop("attn_implementation"))
     kwargs = {**_family_kwargs(model), **kwargs, "tokenizer": _tokenizer_for(model, tokenizer)}
     # nnterp checks its renaming with a fake-tensor scan; on fused MoE experts torch logs a long, harmless error
     # traceback before nnterp falls back to a real trace. Keep it out of the user's output.
@@ -177,7 +180,8 @@ def _prompts(prompts) -> list[str]:
     return prompts
 
 
-def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None) -> Attribution:
+def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
+                 sources=None) -> Attribution:
     """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label."""
     if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
         warnings.warn(
@@ -204,7 +208,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Attribution(
         values=readout.values,
-        labels=plan.labels(by, stop),
+        labels=plan.labels(by, stop, sources),
         constant=readout.constant,
         logit=readout.logit,
         output_logit=readout.output_logit,
@@ -235,6 +239,7 @@ def attribute(
     batch_size: int | None = None,
     progress: bool | None = None,
     tolerance: float | None = None,
+    sources: dict | None = None,
 ) -> Attribution:
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -245,12 +250,17 @@ def attribute(
         position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
             never shifts it.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
-            of every routed expert) or ``"expert"`` (one component per routed expert).
+            of every routed expert), ``"expert"`` (one component per routed expert) or ``"source"`` (``L3.H5.S2``:
+            head 5's part read from the prompt's own token 2; needs eager attention, see ``dla_recipes.sources``).
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
         progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
+        sources: ``by="source"`` only: ``dict(layers=[...], top_heads=k)`` splits only these blocks' heads, or
+            only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
+            other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
+            largest attributed own position plus one; a prompt has zeros for sources it does not have.
 
     Returns:
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
@@ -265,6 +275,25 @@ def attribute(
         prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
         for c in _chunks(len(prompts), batch_size)
     ]
+    if sources is not None and by != "source":
+        raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
+    split = None
+    if by == "source":
+        from . import sources as source_split
+
+        layers, top = source_split.parse(plan, sources)
+        source_split.check_model(model, plan, layers)
+        heads = None
+        if top is not None:
+            heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
+                              batch_size=batch_size, progress=progress, tolerance=tolerance)
+        count = max(own for b in batches for own in b.own_positions) + 1
+        split = source_split.choose(plan, layers, top, count, heads)
+        return _run_batches(
+            model, plan, batches, direct_logit_attribution,
+            lambda b: (plan, b.positions, b.targets, b.contrasts, by, split, source_split.offsets(b)),
+            by, remote, progress, tolerance, sources=split,
+        )
     return _run_batches(
         model, plan, batches, direct_logit_attribution,
         lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
@@ -303,6 +332,8 @@ def attribute_direction(
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
     """
     check_granularity(by)
+    if by == "source":
+        raise InputError("attribute_direction does not split heads by source yet: use by='head'")
     prompts = _prompts(prompts)
     plan = build_plan(model)
     stop = plan.stop_before(layer, sublayer)

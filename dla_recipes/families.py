@@ -74,6 +74,12 @@ class Term:
         hyper: on a family with parallel residual streams, the hyper-connection run before this term's sublayer:
             its output is ``(post [b, s, streams], comb [b, s, streams, streams], collapsed)``; the streams become
             ``combᵀ streams`` and the term is written into stream ``k`` times ``post[k]``.
+        values: heads split: where the attention's values are read, ``"<path>.output"`` of ``[batch, pos,
+            kv_heads * head_dim]`` or ``[batch, pos, kv_heads, head_dim]``: the value projection's output (bias
+            included), or the value norm's output where the family normalises values (Gemma-4's ``v_norm``). Query
+            head ``h`` reads group ``h // (heads / kv_heads)`` (GQA / MQA). The attention pattern is the second
+            element of the output of the module that owns ``projection`` (``self_attn``) under eager attention.
+            ``by="source"`` needs it; None: this term cannot be split by source position (fused QKV, MLA, ...).
     """
 
     name: str
@@ -98,6 +104,7 @@ class Term:
     parallel: bool | str = False
     then: str | None = None
     hyper: str | None = None
+    values: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ def _sequential(
     multiplier: str | None = None,
     reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
     parallel: bool | str = False,
+    values: str | None = "self_attn.v_proj.output",
 ) -> tuple[LayerKind, ...]:
     """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
     attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
@@ -157,7 +165,7 @@ def _sequential(
         LayerKind(
             (
                 Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
-                     reads=reads[0]),
+                     reads=reads[0], values=values),
                 Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
                      reads=reads[1], parallel=parallel),
             )
@@ -166,7 +174,9 @@ def _sequential(
 
 
 LLAMA_LIKE = _sequential()
-ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")
+ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm",
+                 values="self_attn.v_proj.output")
+MLA = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")  # values inside kv_b_proj
 DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
 ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
 SANDWICH = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
@@ -187,7 +197,7 @@ def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
 
 FAMILIES: tuple[Family, ...] = (
     # Pre-norm blocks whose modules' outputs are what the block adds.
-    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2")),
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2"), values=None),
            notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
@@ -195,14 +205,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",), LLAMA_LIKE),
     Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
     Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
-    Family("phi3", ("phi3",), LLAMA_LIKE, notes="fused qkv_proj and gate_up_proj."),
+    Family("phi3", ("phi3",), _sequential(values=None), notes="fused qkv_proj and gate_up_proj."),
     Family("smollm3", ("smollm3",), LLAMA_LIKE),
     Family("apertus", ("apertus",), _sequential(reads=("attention_layernorm", "feedforward_layernorm")),
            notes="xIELU MLP without a gate."),
     # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
     Family("gptj", ("gptj",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block; lm_head has a bias."),
-    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual"),
+    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual", values=None),
            notes="parallel (use_parallel_residual) or sequential."),
     Family("phi", ("phi",), _sequential("dense", "fc2", reads=("input_layernorm", "input_layernorm"), parallel=True),
            rename={"ln_final_name": "final_layernorm"},
@@ -226,15 +236,15 @@ FAMILIES: tuple[Family, ...] = (
         shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"))),),
         notes="a shared expert gated by sigmoid(shared_expert_gate), run before the routed experts."),
     Family("deepseek_v3", ("deepseek_v3",), (
-        LayerKind((ATTENTION, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
-                                   reads="post_attention_layernorm")),
+        LayerKind((MLA, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+                             reads="post_attention_layernorm")),
                   when="mlp.experts"),
-        LayerKind((ATTENTION, DENSE_MLP)),
+        LayerKind((MLA, DENSE_MLP)),
     ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual",
-             reads="input_layernorm"),
+             reads="input_layernorm", values="self_attn.v_proj.output"),
         Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual",
              reads="post_attention_layernorm"),
     )),), notes="per-channel residual gates: mid = input_residual * x + attn; out = post_attention_residual * mid + mlp."),
@@ -253,7 +263,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma4", ("gemma4_text", "gemma4"), (
         LayerKind((
             Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
+                 reads="input_layernorm", values="self_attn.v_norm.output"),
             Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
                  post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
                  reads="pre_feedforward_layernorm"),
@@ -263,14 +273,14 @@ FAMILIES: tuple[Family, ...] = (
         ), when="experts"),
         LayerKind((
             Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
+                 reads="input_layernorm", values="self_attn.v_norm.output"),
             Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
                  reads="pre_feedforward_layernorm"),
             Term("ple", "post_per_layer_input_norm.output"),
         ), when="per_layer_input_gate"),
         LayerKind((
             Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-                 reads="input_layernorm"),
+                 reads="input_layernorm", values="self_attn.v_norm.output"),
             Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
                  reads="pre_feedforward_layernorm"),
         )),
@@ -331,7 +341,8 @@ FAMILIES: tuple[Family, ...] = (
         )),
     ), notes="parallel: the block adds the attention output into the MLP output in place (the MLP term is a copy)."),
     Family("opt", ("opt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
+        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm",
+             values="self_attn.v_proj.output"),
         Term("mlp", "fc2.output", "neurons", "fc2", flat=True, reads="final_layer_norm"),
     )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
 )
