@@ -394,6 +394,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
     modes = [planned.mode(by) for planned in terms]
+    modes = ["heads" if m == "sources" and (split is None or not any(split[0](p.parts))) else m
+             for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
     last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
     datas, outers = [], {}
     for k, planned in enumerate(terms):

@@ -36,13 +36,8 @@ def attention_implementation(model) -> str | None:
 
 def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
     """Raise a ``DLAError`` unless every split layer's attention can be split by source position."""
-    impl = attention_implementation(model)
-    if impl is not None and impl != "eager":
-        raise DLAError(
-            f"by='source' reads the attention pattern the model computed, and {impl!r} attention does not return it. "
-            "Load the model with dla_recipes.load(..., attn_implementation='eager') (for a model object: "
-            "model.set_attn_implementation('eager') before loading)"
-        )
+    if not layers:
+        raise DLAError(f"family {plan.family.name!r}: this model has no attention heads to split by source")
     for i in layers:
         heads = [p for p in plan.layers[i] if p.term.split == "heads"]
         if not heads:
@@ -52,8 +47,8 @@ def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
             if term.router is not None or not term.values:
                 raise DLAError(
                     f"family {plan.family.name!r}: by='source' is not supported: its attention "
-                    f"({term.projection}) has no separate value tensor in the family table (fused QKV, latent "
-                    "attention or a mixture of attention); use by='head'"
+                    f"({term.projection}) has no value tensor in the family table (fused QKV, latent attention, a "
+                    "mixture of attention, or attention that never returns its pattern); use by='head'"
                 )
             if not _has_path(model.layers[i], term.values.rsplit(".", 1)[0]):
                 raise DLAError(
@@ -61,6 +56,12 @@ def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
                     "it reuses another block's keys and values); split other layers with "
                     "sources=dict(layers=[...])"
                 )
+    impl = attention_implementation(model)
+    if impl is not None and impl != "eager":
+        raise DLAError(
+            f"by='source' reads the attention pattern the model computed, and {impl!r} attention does not return it. "
+            "Load the model with dla_recipes.load(..., attn_implementation='eager')"
+        )
 
 
 def head_layers(plan: Plan) -> list[int]:
