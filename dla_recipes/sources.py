@@ -35,7 +35,11 @@ def attention_implementation(model) -> str | None:
 
 
 def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
-    """Raise a ``DLAError`` unless every split layer's attention can be split by source position."""
+    """Raise a ``DLAError`` unless every split layer's attention can be split by source position.
+
+    Remotely nnsight 0.8 sends the client model's attention implementation with each request and the server
+    switches to it, so a remote model is loaded with ``attn_implementation="eager"`` too; a server that runs
+    another one anyway is caught in the trace (a ``RemoteError`` with the same advice)."""
     if not layers:
         raise DLAError(f"family {plan.family.name!r}: this model has no attention heads to split by source")
     for i in layers:

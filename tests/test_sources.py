@@ -193,3 +193,57 @@ def test_earlier_position_has_zeros_after_it():
     attr = dla_recipes.attribute(model, PROMPTS[0], TARGET, position=2, by="source")
     grid = attr.sources()
     assert grid.shape[-1] == 3 and attr.positions == (2,)
+
+
+def test_remote_equals_local(tmp_path):
+    """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
+    import secrets
+
+    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from test_remote import single_threaded
+
+    folders = {}
+    for family in ("llama", "gemma2"):
+        folder = tmp_path / family
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        folders[family] = str(folder)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as server:
+        with server.client(), pytest.raises(DLAError, match="attn_implementation='eager'"):  # the default: sdpa
+            dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, by="source", remote=True)
+        for family in folders:
+            # nnsight sends the client model's attention implementation with the request; the server switches to it
+            remote_model = server.remote_model(family, attn_implementation="eager")
+            local_model = server.local_model(family, attn_implementation="eager")
+            with server.client():
+                remote = dla_recipes.attribute(remote_model, PROMPTS, TARGET, contrast=CONTRAST, by="source",
+                                               remote=True)
+            with single_threaded():
+                local = dla_recipes.attribute(local_model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+            assert remote.labels == local.labels and any(".S" in label for label in remote.labels)
+            assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+
+
+def test_real_smollm2():
+    from dla_recipes import models
+
+    model = dla_recipes.load(models.default_model_path(), attn_implementation="eager", device_map="cpu")
+    prompt = "The Eiffel Tower is in the city of"
+    attr = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source")
+    heads = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="head")
+    assert torch.allclose(attr.heads().values, heads.values, atol=1e-5)
+    grid = attr.sources()[0]
+    ref = reference_parts_for(model, prompt, " Paris", " Rome")
+    assert float((grid[-1] - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+
+
+def reference_parts_for(model, prompt, target, contrast):
+    """``reference_parts`` for real tokens (SmolLM2 is a llama)."""
+    global TARGET, CONTRAST
+    saved = TARGET, CONTRAST
+    tok = model.tokenizer
+    TARGET, CONTRAST = tok.convert_ids_to_tokens(tok(target)["input_ids"])[0], tok.convert_ids_to_tokens(tok(contrast)["input_ids"])[0]
+    try:
+        return reference_parts(model, "llama", prompt)
+    finally:
+        TARGET, CONTRAST = saved
