@@ -36,7 +36,7 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
     "--hide-scrollbars",
 )
-PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
+PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "families/", "remote/", "attribute-direction/",
          "api/"]
 
 needs_browser = pytest.mark.skipif(
