@@ -79,7 +79,12 @@ class Term:
             included), or the value norm's output where the family normalises values (Gemma-4's ``v_norm``). Query
             head ``h`` reads group ``h // (heads / kv_heads)`` (GQA / MQA). The attention pattern is the second
             element of the output of the module that owns ``projection`` (``self_attn``) under eager attention.
-            ``by="source"`` needs it; None: this term cannot be split by source position (fused QKV, MLA, ...).
+            ``by="source"`` needs it; None: this term cannot be split by source position (latent attention, ...).
+        values_layout: where the values sit in a fused projection's output: ``"qkv"`` (queries, keys, values
+            concatenated, keys and values of equal width: the values are the last ``(width - heads * head_dim) / 2``
+            features; GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or ``"per_head_qkv"`` (each head's query, key and
+            value side by side: ``[..., heads, 3 * head_dim]``, the values last; GPT-NeoX). None: the tensor is the
+            values.
     """
 
     name: str
@@ -105,6 +110,7 @@ class Term:
     then: str | None = None
     hyper: str | None = None
     values: str | None = None
+    values_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ def _sequential(
     reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
     parallel: bool | str = False,
     values: str | None = "self_attn.v_proj.output",
+    values_layout: str | None = None,
 ) -> tuple[LayerKind, ...]:
     """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
     attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
@@ -165,7 +172,7 @@ def _sequential(
         LayerKind(
             (
                 Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
-                     reads=reads[0], values=values),
+                     reads=reads[0], values=values, values_layout=values_layout),
                 Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
                      reads=reads[1], parallel=parallel),
             )
@@ -197,7 +204,8 @@ def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
 
 FAMILIES: tuple[Family, ...] = (
     # Pre-norm blocks whose modules' outputs are what the block adds.
-    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2"), values=None),
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2"), values="self_attn.c_attn.output",
+                                         values_layout="qkv"),
            notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
@@ -205,14 +213,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",), LLAMA_LIKE),
     Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
     Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
-    Family("phi3", ("phi3",), _sequential(values=None), notes="fused qkv_proj and gate_up_proj."),
+    Family("phi3", ("phi3",), _sequential(values="self_attn.qkv_proj.output", values_layout="qkv"), notes="fused qkv_proj and gate_up_proj."),
     Family("smollm3", ("smollm3",), LLAMA_LIKE),
     Family("apertus", ("apertus",), _sequential(reads=("attention_layernorm", "feedforward_layernorm")),
            notes="xIELU MLP without a gate."),
     # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
     Family("gptj", ("gptj",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block; lm_head has a bias."),
-    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual", values=None),
+    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual",
+                                                 values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
            notes="parallel (use_parallel_residual) or sequential."),
     Family("phi", ("phi",), _sequential("dense", "fc2", reads=("input_layernorm", "input_layernorm"), parallel=True),
            rename={"ln_final_name": "final_layernorm"},

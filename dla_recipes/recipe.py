@@ -219,11 +219,23 @@ def _read_sources(layer, planned: PlannedTerm, rows, positions) -> dict:
             "dla_recipes.load(..., attn_implementation='eager')"
         )
     pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
-    values = values.reshape(batch, values.shape[1], -1, planned.part_width)  # [batch, pos, kv_heads, head_dim]
+    values = _values_of(values, term.values_layout, planned.parts, planned.part_width)
     rebuilt = _grouped_sum(pattern, values.to(pattern.device)).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
     return {"values": values, "inputs": inputs, "pattern": pattern,
             "pattern_error": float(((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale))}
+
+
+def _values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
+    """``[batch, pos, kv_heads, head_dim]``: the values in a value tensor or a fused projection's output
+    (``Term.values_layout``)."""
+    batch, pos = fused.shape[:2]
+    fused = fused.reshape(batch, pos, -1)
+    if layout == "qkv":  # [queries | keys | values], keys and values of equal width
+        fused = fused[..., heads * head_dim + (fused.shape[-1] - heads * head_dim) // 2:]
+    elif layout == "per_head_qkv":  # [heads, (query, key, value)]
+        fused = fused.view(batch, pos, heads, 3 * head_dim)[..., 2 * head_dim:]
+    return fused.reshape(batch, pos, -1, head_dim)
 
 
 def _grouped_sum(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ A head's write at position ``p`` is ``z_h[p] = sum_s A_h[p, s] v_h[s]``, linear 
 pattern ``A`` the model computed is read, so its part splits exactly over source positions ``s`` (the in-trace
 math is ``recipe._source_scores``). This module decides, before any forward pass, whether the model can be split
 (its attention must return the pattern: eager attention; its family must say where the values are read,
-``Term.values``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
+``Term.values`` and ``Term.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
 otherwise.
 
 How the pattern is read, per family: the model's own attention weights, the second output of the attention

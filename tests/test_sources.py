@@ -18,10 +18,10 @@ from dla_recipes import DLAError, InputError
 from dla_recipes.plan import build_plan, module_at
 from dla_recipes.testing import tiny
 
-# Families whose attention cannot be split by source: fused QKV (no value tensor of their own), latent attention,
+# Families whose attention cannot be split by source: fused QKV of another layout (Falcon, BLOOM), latent attention,
 # a mixture of attention, attention without an eager pattern, no heads at all, KV-shared layers (gemma4: its
 # other layers are split in test_kv_shared_layers_refused_but_others_split). Every other family must split.
-REFUSED = ["gpt2", "phi3", "gpt_neox", "gpt_neox_sequential", "deepseek_v3", "recurrent_gemma", "falcon",
+REFUSED = ["deepseek_v3", "recurrent_gemma", "falcon",
            "falcon_new_arch", "bloom", "zaya", "deepseek_v4", "zamba2", "jetmoe", "gemma4"]
 SUPPORTED = [family for family in tiny.FAMILIES if family not in REFUSED]
 _MODELS: dict = {}
@@ -49,6 +49,12 @@ _FACTORS = {  # what multiplies the last block's attention write on its way to t
     "doge": lambda hf, layer: layer.post_attention_residual.float(),
     "gemma4_moe": lambda hf, layer: layer.layer_scalar.float(),
 }
+_FUSED = {  # the values inside a fused projection's output, as each model's attention slices them
+    "gpt2": lambda out, heads, head_dim: out.split(out.shape[-1] // 3, dim=-1)[2],
+    "phi3": lambda out, heads, head_dim: out[..., heads * head_dim + (out.shape[-1] - heads * head_dim) // 2:],
+    "gpt_neox": lambda out, heads, head_dim: out.view(*out.shape[:-1], heads, 3 * head_dim).chunk(3, dim=-1)[2],
+}
+_FUSED["gpt_neox_sequential"] = _FUSED["gpt_neox"]
 _LOGIT_SCALE = {"cohere": lambda c: c.logit_scale, "granite": lambda c: 1.0 / c.logits_scaling}
 
 
@@ -81,9 +87,15 @@ def reference_parts(model, family: str, prompt: str) -> torch.Tensor:
     p = ids["input_ids"].shape[1] - 1
     A = seen["A"][0, :, p].float()  # [heads, keys]
     heads, keys = A.shape
-    v = seen["v"][0].float().reshape(keys, -1, o_proj.weight.shape[1] // heads)  # [keys, kv, head_dim]
+    weight = o_proj.weight.float()
+    weight = weight.T if type(o_proj).__name__ == "Conv1D" else weight  # [d_model, heads * head_dim]
+    head_dim = weight.shape[1] // heads
+    v = seen["v"][0].float()
+    if family in _FUSED:
+        v = _FUSED[family](v, heads, head_dim)
+    v = v.reshape(keys, -1, head_dim)  # [keys, kv, head_dim]
     v = v.repeat_interleave(heads // v.shape[1], dim=1)  # [keys, heads, head_dim]: query head h reads group h // n
-    w_o = o_proj.weight.float().view(-1, heads, v.shape[-1])  # [d_model, heads, head_dim]
+    w_o = weight.view(-1, heads, head_dim)  # [d_model, heads, head_dim]
     writes = torch.einsum("hs,shd,Dhd->hsD", A, v, w_o)  # each source's write [heads, keys, d_model]
     unembed = hf.get_output_embeddings().weight.float()
     tok = model.tokenizer.convert_tokens_to_ids
