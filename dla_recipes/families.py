@@ -332,7 +332,8 @@ FAMILIES: tuple[Family, ...] = (
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
     # Modules that add the residual inside themselves, in-place adds, sublayers outside a module.
     Family("bloom", ("bloom",), (LayerKind((
-        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm"),
+        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm",
+             values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
         Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
     )),), notes="modules add the residual inside: the terms are the dense projections' outputs."),
     Family("falcon", ("falcon",), (

@@ -18,11 +18,11 @@ from dla_recipes import DLAError, InputError
 from dla_recipes.plan import build_plan, module_at
 from dla_recipes.testing import tiny
 
-# Families whose attention cannot be split by source: fused QKV of another layout (Falcon, BLOOM), latent attention,
+# Families whose attention cannot be split by source: Falcon (no eager attention to switch to), latent attention,
 # a mixture of attention, attention without an eager pattern, no heads at all, KV-shared layers (gemma4: its
 # other layers are split in test_kv_shared_layers_refused_but_others_split). Every other family must split.
 REFUSED = ["deepseek_v3", "recurrent_gemma", "falcon",
-           "falcon_new_arch", "bloom", "zaya", "deepseek_v4", "zamba2", "jetmoe", "gemma4"]
+           "falcon_new_arch", "zaya", "deepseek_v4", "zamba2", "jetmoe", "gemma4"]
 SUPPORTED = [family for family in tiny.FAMILIES if family not in REFUSED]
 _MODELS: dict = {}
 
@@ -54,7 +54,7 @@ _FUSED = {  # the values inside a fused projection's output, as each model's att
     "phi3": lambda out, heads, head_dim: out[..., heads * head_dim + (out.shape[-1] - heads * head_dim) // 2:],
     "gpt_neox": lambda out, heads, head_dim: out.view(*out.shape[:-1], heads, 3 * head_dim).chunk(3, dim=-1)[2],
 }
-_FUSED["gpt_neox_sequential"] = _FUSED["gpt_neox"]
+_FUSED["gpt_neox_sequential"] = _FUSED["bloom"] = _FUSED["gpt_neox"]
 _LOGIT_SCALE = {"cohere": lambda c: c.logit_scale, "granite": lambda c: 1.0 / c.logits_scaling}
 
 
