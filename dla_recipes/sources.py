@@ -11,7 +11,18 @@ How the pattern is read, per family: the model's own attention weights, the seco
 module, which transformers returns under ``attn_implementation="eager"`` (after soft-capping, sliding-window and
 padding masks, and without the sink column of attention-sink families, whose rows sum to less than 1: the missing
 mass belongs to no source). sdpa / flash attention return no pattern, so they are refused with a ``DLAError``
-saying how to load the model; no pattern is recomputed.
+saying how to load the model; no pattern is recomputed. Where the values are read (``Term.values``):
+
+- ``v_proj``'s output: Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 1/2/3, SmolLM3, Apertus, GPT-J, Mixtral, Qwen2-MoE,
+  OLMoE, GLM-4, EXAONE-4, Granite, Cohere, OPT, Phi, Doge; Gemma-4: ``v_norm``'s output (its KV-shared layers are
+  refused: split the others with ``sources=dict(layers=[...])``);
+- a fused projection's output: GPT-2, Phi-3 (``values_layout="qkv"``), GPT-NeoX, BLOOM (``"per_head_qkv"``);
+- refused: Falcon (cannot switch to eager), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention), ZAYA,
+  RecurrentGemma (sdpa only), Zamba2 (no heads).
+
+Each split block's heads are rebuilt from the pattern and values in the trace, ``sum_s A v`` against the output
+projection's real input; the largest relative gap is reported with the norm fit errors
+(``attr.diagnostics["norm_fit_error"]``), and a gap shows in the self-check.
 """
 
 from __future__ import annotations
