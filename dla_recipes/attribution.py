@@ -109,6 +109,8 @@ class Attribution:
         """A ``by="source"`` attribution at head granularity: each head's sources summed into ``L3.H5``.
 
         ``heads().values`` equals ``attribute(..., by="head").values`` (to float error)."""
+        if self.by != "source":
+            raise ValueError(f"heads() sums a by='source' attribution's sources; this one is by={self.by!r}")
         names, owner = [], []
         for label in self.labels:
             match = _SOURCE.match(label)
