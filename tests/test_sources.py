@@ -281,3 +281,15 @@ def test_low_precision(family, dtype):
     assert ((attr.total - attr.logit).abs() <= bound).all()
     assert float((attr.heads().values - heads.values).abs().max()) <= rtol * max(1.0, float(heads.values.abs().max()))
     assert attr.diagnostics["norm_fit_error"] < rtol  # the pattern rebuilds the heads the model computed
+
+
+def test_cli_by_source(tmp_path, capsys):
+    """``python -m dla_recipes ... --by source`` loads the model with eager attention and prints head-source parts."""
+    from dla_recipes.__main__ import main
+
+    folder = tmp_path / "tiny-llama"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    assert main(["w1 w2 w3", "--target", "w9", "--model", str(folder), "--by", "source", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "by: source" in out and ".S2 " in out
