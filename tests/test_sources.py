@@ -293,3 +293,19 @@ def test_cli_by_source(tmp_path, capsys):
     assert main(["w1 w2 w3", "--target", "w9", "--model", str(folder), "--by", "source", "--top", "40"]) == 0
     out = capsys.readouterr().out
     assert "by: source" in out and ".S2 " in out
+
+
+def test_sources_heatmap():
+    from dla_recipes import plots
+
+    attr = dla_recipes.attribute(eager_model("llama"), PROMPTS, TARGET, contrast=CONTRAST, by="source")
+    tokens = PROMPTS[0].split()
+    rows, matrix = plots.source_matrix(attr, 0, k=3)
+    grid = attr.sources()[0]
+    assert len(rows) == 3 and matrix.shape == (3, len(tokens))
+    layer, head = (int(x) for x in rows[0][1:].split(".H"))
+    assert torch.equal(matrix[0], grid[layer, head])
+    assert float(grid[layer, head].abs().sum()) == float(torch.nan_to_num(grid.abs()).sum(-1).max())
+    fig = plots.sources_heatmap(attr, tokens, k=3)
+    assert list(fig.data[0].y) == rows and fig.data[0].x[0] == "0: 'w5'"
+    assert plots.sources_heatmap(attr, tokens, prompt=None, k=3).data[0].z is not None
