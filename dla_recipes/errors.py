@@ -8,7 +8,8 @@ class DLAError(Exception):
 
 
 class InputError(DLAError, ValueError):
-    """A prompt, target token or position that cannot be attributed (the message names which and why)."""
+    """A bad argument (prompt, token, position, granularity, batch size, tolerance, model, dtype, ...): the message
+    names the argument and the fix. Also a ``ValueError``."""
 
 
 class UnknownFamilyError(DLAError, ValueError):

@@ -155,8 +155,14 @@ class Plan:
 
 
 def check_granularity(by: str) -> None:
-    if by not in GRANULARITIES:
-        raise ValueError(f"by={by!r} is not a granularity: use one of {', '.join(map(repr, GRANULARITIES))}")
+    """Raise ``InputError`` (suggesting the closest name) unless ``by`` is one of ``GRANULARITIES``."""
+    if not isinstance(by, str) or by not in GRANULARITIES:
+        from .inputs import closest
+
+        raise InputError(
+            f"by={by!r} is not a granularity: use one of {', '.join(map(repr, GRANULARITIES))}"
+            f"{closest(by, GRANULARITIES)}"
+        )
 
 
 def module_at(root, path: str):

@@ -1,6 +1,7 @@
 """The main job: ``python -m dla_recipes PROMPT --target TOKEN`` on the default model and on a local folder."""
 
 import subprocess
+import time
 import sys
 
 import pytest
@@ -44,3 +45,85 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
 def test_module_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "dla_recipes", "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--target" in result.stdout
+
+
+# -- issue 11: aliases, dtypes, granularities, remote client failures, one-line errors -----------------------------
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No test here may wait on the network: the hub is offline, so a hub id fails at once."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for family in ("llama", "mixtral"):
+        folder = tmp_path_factory.mktemp(f"tiny-{family}")
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        out[family] = str(folder)
+    return out
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip() and "Warning" not in line and "warn" not in line]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_short_names_resolve_to_the_pypi_models():
+    from dla_recipes import models
+    from dla_recipes.__main__ import _resolve_model
+
+    assert _resolve_model("smollm2") == _resolve_model("SmolLM2-135M-Instruct") == str(models.default_model_path())
+    assert _resolve_model("gemma3") == _resolve_model("gemma3-270m") == str(models.gemma3_270m_path())
+
+
+def test_an_unknown_model_name_fails_fast_listing_the_short_names(capsys):
+    start = time.monotonic()
+    assert main(["w1", "--target", "w1", "--model", "smollm3-typo"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "model 'smollm3-typo' is not a local folder" in line and "gemma3" in line and "smollm2" in line
+    assert main(["w1", "--target", "w1", "--model", "./no/such/folder"]) == 2
+    assert "is not a local folder" in _one_error_line(capsys.readouterr().err)
+    assert time.monotonic() - start < 20  # no hub retries
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "bfloat16"])
+def test_dtype_aliases(folders, capsys, dtype):
+    assert main(["w1 w2 w3", "--target", "w9", "--model", folders["llama"], "--dtype", dtype]) == 0, capsys.readouterr().err
+    assert "error:" in capsys.readouterr().out
+
+
+def test_unknown_dtype_is_refused(folders, capsys):
+    assert main(["w1 w2 w3", "--target", "w9", "--model", folders["llama"], "--dtype", "bf17"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        "error: --dtype 'bf17' is not a dtype: use one of float32, fp32, bfloat16, bf16, float16, fp16"
+    )
+
+
+def test_by_offers_every_granularity(folders, capsys):
+    from dla_recipes.__main__ import _parser
+    from dla_recipes.plan import GRANULARITIES
+
+    by = next(action for action in _parser()._actions if action.dest == "by")
+    assert tuple(by.choices) == GRANULARITIES and "expert" in GRANULARITIES
+    assert main(["w1 w2 w3", "--target", "w9", "--model", folders["mixtral"], "--by", "expert"]) == 0
+    assert "L0.E0" in capsys.readouterr().out
+    assert main(["w1 w2 w3", "--target", "w9", "--model", folders["llama"], "--by", "expert"]) == 2
+    assert "no routed experts" in _one_error_line(capsys.readouterr().err)
+
+
+def test_remote_client_failures_are_not_server_failures(folders, capsys):
+    closed = "http://127.0.0.1:9"
+    assert main(["w1 w2", "--target", "w1 w2", "--model", folders["llama"], "--remote", closed]) == 2
+    assert _one_error_line(capsys.readouterr().err).startswith("error: target 'w1 w2' is 2 tokens")
+    # a local folder has no hub id for the server: that fails here, on the client, and says so
+    assert main(["w1 w2", "--target", "w3", "--model", folders["llama"], "--remote", closed]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "failed on this machine, before the NDIF server" in line and "on the NDIF server at" not in line
+    assert main(["w1 w2", "--target", "w3", "--model", folders["llama"], "--remote", "127.0.0.1:9"]) == 2
+    assert "give 'ndif' or a server URL" in _one_error_line(capsys.readouterr().err)

@@ -8,9 +8,11 @@ code) reaches the client as a message naming its cause. No hub, no network beyon
 
 import contextlib
 import io
+import json
 import re
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +275,68 @@ def test_unshipped_project_code_fails_as_on_ndif(server, remote_models):
                 logits = remote.logits.save()  # noqa: F841
     finally:
         _PICKLE_BY_VALUE_MODULES.update(registered)
+
+
+# -- hardening: a key on every endpoint, no paths, a size limit, server-chosen ids ----------------------------------
+
+
+@pytest.mark.parametrize("path", ["/status", "/env", "/connected", "/whoami", "/stats", "/response/x", "/result/x"])
+def test_every_endpoint_but_ping_needs_the_key(server, path):
+    import httpx
+
+    assert httpx.get(f"{server.url}{path}", timeout=10.0).status_code == 401
+    assert httpx.get(f"{server.url}{path}", headers={"ndif-api-key": "wrong"}, timeout=10.0).status_code == 403
+    assert httpx.get(f"{server.url}/ping", timeout=10.0).text == '"pong"'
+
+
+def test_status_names_models_never_folders(server, model_folders):
+    import httpx
+
+    body = httpx.get(f"{server.url}/status", headers={"ndif-api-key": server.api_key}, timeout=10.0).text
+    assert "tiny-llama" in body
+    for folder in model_folders.values():
+        assert folder not in body and str(Path(folder).parent) not in body
+
+
+def test_a_request_over_the_size_limit_is_refused_unread(server):
+    import httpx
+
+    limit = 32 * 1024 * 1024
+    body = b"x" * (limit + 1)
+    response = httpx.post(f"{server.url}/request", content=body, timeout=60.0,
+                          headers={"ndif-api-key": server.api_key, "content-type": "multipart/form-data; boundary=b"})
+    assert response.status_code == 413 and "too large" in response.json()["detail"]
+    _last_record(server, status="REJECTED", http_status=413)
+
+
+def test_the_server_chooses_the_request_id_and_never_trusts_the_client(server, remote_models):
+    """A client-chosen id and ``trusted`` are ignored: the id is the server's, the result is the client's own."""
+    import httpx
+    from nnsight.schema.request import RequestModel
+
+    remote = remote_models["tiny-llama"]
+    envelope = json.loads(RequestModel(model_key=remote.to_model_key()).metadata())
+    envelope.update(id="chosen-by-client", trusted=True)
+    response = httpx.post(f"{server.url}/request", data={"data": json.dumps(envelope)},
+                          files={"blob": ("request", b"not a trace", "application/octet-stream")},
+                          headers={"ndif-api-key": server.api_key}, timeout=30.0)
+    assert response.status_code == 200
+    minted = response.json()["id"]
+    assert minted != "chosen-by-client" and re.fullmatch(r"[0-9a-f]{32}", minted)
+
+
+def test_results_download_only_with_the_presigned_token(server, remote_models):
+    """A result too large for the websocket is downloaded from a presigned URL; the bare id is not enough."""
+    import httpx
+
+    from dla_recipes.testing.loopback_ndif import result_token
+
+    assert result_token(server.api_key, "a") != result_token(server.api_key, "b")
+    remote = remote_models["tiny-llama"]  # (test_model_not_hosted re-keys tiny-gpt2's folder)
+    with server.client():
+        with remote.trace(LONG_PROMPT, remote=True):
+            logits = remote.logits.save()  # 96 x 66 floats: over the inline limit, so downloaded
+    assert logits.shape[-1] == VOCAB + 2
+    record = _last_record(server, status="COMPLETED", transport="download")
+    guessed = httpx.get(f"{server.url}/result/{record['id']}?token={'0' * 64}", timeout=10.0)
+    assert guessed.status_code == 401

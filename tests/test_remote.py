@@ -143,3 +143,82 @@ def test_server_side_exception(server):
     with server.client(), pytest.raises(RemoteError, match=r"failed on the NDIF server at .*: IndexError: index 999 is out of bounds"):
         args = (dla_recipes.build_plan(model), batch.positions, batch.targets, None, "block")
         run_trace(model, args[0], batch, dla_recipes.direct_logit_attribution, args, remote=True)
+
+
+# -- transient failures are retried; a batch that fails for good keeps what completed --------------------------------
+
+
+def test_a_transient_failure_is_retried(server, monkeypatch):
+    """A 503 (a deployment restarting) is retried; the answer equals a run that never failed."""
+    from dla_recipes import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
+    model = server.remote_model("llama")
+    with server.client():
+        clean = dla_recipes.attribute(model, PROMPTS, TARGET, remote=True)
+        server.clear_stats()
+        server.make_unavailable(2)  # the first two sends fail, the third (RETRIES = 2) goes through
+        retried = dla_recipes.attribute(model, PROMPTS, TARGET, remote=True)
+    assert [r["http_status"] for r in server.stats()] == [503, 503, 200]
+    assert torch.equal(retried.values, clean.values)
+
+
+def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypatch):
+    from dla_recipes import RemoteBatchError
+    from dla_recipes import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
+    model = server.remote_model("gpt2")
+    prompts = [f"w{i} w{i + 1} w{i + 2}" + " w3" * (i % 2) for i in range(6)]
+    sent = []
+    real_run_trace = dla_recipes.api.run_trace
+
+    def run_trace(*args, **kwargs):  # make request 2 of 3 fail for good: three 503s in a row
+        sent.append(args[2].prompts)
+        if len(sent) == 2:
+            server.make_unavailable(remote_module.RETRIES + 1)
+        return real_run_trace(*args, **kwargs)
+
+    monkeypatch.setattr(dla_recipes.api, "run_trace", run_trace)
+    with server.client():
+        whole = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, remote=True)
+        sent.clear()
+        with pytest.raises(RemoteBatchError, match=r"(?s)request 2 of 3 failed.*unavailable.*\.resume\(\)") as failure:
+            dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, remote=True, batch_size=2)
+        error = failure.value
+        assert error.done == (0, 1) and error.failed_batch == 1
+        assert error.partial.prompts == tuple(prompts[:2])
+        torch.testing.assert_close(error.partial.values, whole.values[:2], atol=1e-6, rtol=1e-5)
+        resumed = error.resume()  # sends requests 2 and 3 only
+    assert sent[-2:] == [tuple(prompts[2:4]), tuple(prompts[4:6])] and len(sent) == 4
+    assert resumed.prompts == tuple(prompts)
+    torch.testing.assert_close(resumed.values, whole.values, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(resumed.logit, whole.logit, atol=1e-6, rtol=1e-5)
+
+
+def test_errors_that_would_fail_again_are_not_retried(server):
+    """A wrong key is final: one send, no retry."""
+    model = server.remote_model("llama")
+    server.clear_stats()
+    with server.client(api_key="not-the-key"), pytest.raises(RemoteError, match="refused the API key"):
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+    assert [r["http_status"] for r in server.stats()] == [403]
+
+
+def test_transient_classification():
+    import httpx
+
+    from dla_recipes.remote import is_transient
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/request")
+
+    def status(code):
+        error = httpx.HTTPStatusError("x", request=request, response=httpx.Response(code, request=request))
+        wrapped = RemoteError("Failed to send request")
+        wrapped.__cause__ = error
+        return wrapped
+
+    assert is_transient(status(503)) and is_transient(status(502)) and is_transient(ConnectionRefusedError())
+    assert is_transient(httpx.ConnectError("refused")) and is_transient(TimeoutError())
+    assert not is_transient(status(403)) and not is_transient(status(404)) and not is_transient(status(413))
+    assert not is_transient(IndexError("index 999 is out of bounds"))

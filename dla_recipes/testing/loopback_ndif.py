@@ -34,13 +34,22 @@ Endpoints (those nnsight 0.8.1's client calls, plus two for tests):
                           when it is at most ``inline_limit`` bytes, as NDIF does under its Redis publish limit) or a
                           JSON frame whose ``data`` is a one-shot download URL.
 - ``POST /request``       multipart ``data`` (the ``RequestModel`` JSON) + ``blob`` (the serialized trace); header
-                          ``ndif-api-key``. 401 missing key, 403 wrong key, 404 model not hosted, 422 bad envelope,
-                          else the RECEIVED response. The client shows the ``detail`` as ``RemoteError``.
+                          ``ndif-api-key``. 401 missing key, 403 wrong key, 404 model not hosted, 413 request larger
+                          than ``max_request_bytes``, 422 bad envelope, else the RECEIVED response. The client shows
+                          the ``detail`` as ``RemoteError``. The server mints the request id (a client-sent ``id`` is
+                          ignored) and never trusts the client's ``trusted`` / ``api_key`` fields.
 - ``GET /result/{id}``    the result blob (zstd-compressed ``torch.save`` bytes), once; what the client downloads.
+                          The COMPLETED message hands out a presigned URL (``?token=`` an HMAC of the id under the
+                          key, as NDIF's object-store URLs are presigned): without that token or the key header, 401.
 - ``GET /response/{id}``  latest status of a non-blocking request (``trace(..., blocking=False)``).
-- ``GET /status``, ``GET /env``, ``GET /ping``, ``GET /connected``, ``GET /whoami``: as NDIF (``nnsight.status()``,
-                          ``nnsight.compare()``).
-- ``GET /stats``          (key required) per-request records; ``DELETE /stats`` clears them.
+- ``GET /status``, ``GET /env``, ``GET /connected``, ``GET /whoami``: as NDIF (``nnsight.status()``,
+                          ``nnsight.compare()``), but key required; ``/status`` names models, never folders.
+- ``GET /ping``           liveness, the one endpoint without a key (it answers ``pong`` and nothing else).
+- ``GET /stats``          per-request records; ``DELETE /stats`` clears them.
+- ``POST /faults``        (tests) ``{"unavailable": n}``: the next ``n`` ``POST /request`` answer 503 Service
+                          Unavailable, as a restarting deployment does, to exercise the client's retries.
+
+Every endpoint but ``/ping`` requires the key (header ``ndif-api-key``; for ``/result`` the presigned token will do).
 
 Each record: ``id, model, model_key, status`` (COMPLETED, ERROR, or REJECTED for a request refused at POST),
 ``http_status``, ``request_bytes`` (the payload the client sent), ``result_bytes`` (the exact bytes of the serialized
@@ -94,6 +103,7 @@ from typing import Any, Iterator, Mapping, Optional
 API_KEY_HEADER = "ndif-api-key"
 API_KEY_ENV = "LOOPBACK_NDIF_API_KEY"  # how the Python API hands the key to the server (not on the command line)
 DEFAULT_INLINE_LIMIT = 8 * 1024 * 1024  # NDIF's stock Redis pubsub soft limit: larger results go through a download
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # a DLA request is 30-50 KB; anything near this is not one
 DEFAULT_BLOCKED_IMPORTS = ("dla_recipes", "nnterp")
 _READY_PREFIX = "LOOPBACK_NDIF_READY"
 _MAX_RECORDS = 10_000
@@ -188,6 +198,7 @@ class LoopbackServer:
         log_path: where the server's stdout/stderr go (default: a temporary file, kept for post-mortems).
         threads: torch threads the server computes with (default 1, whatever ``OMP_NUM_THREADS`` the client has,
             so a single-threaded local run reproduces its numbers bit for bit).
+        max_request_bytes: the largest request body accepted (413 above it).
     """
 
     def __init__(
@@ -201,6 +212,7 @@ class LoopbackServer:
         startup_timeout: float = 180.0,
         log_path: Optional[str | os.PathLike] = None,
         threads: int = 1,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         if not models:
             raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
@@ -217,6 +229,7 @@ class LoopbackServer:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
         self.threads = int(threads)
+        self.max_request_bytes = int(max_request_bytes)
         self.process: Optional[subprocess.Popen] = None
         self._finalizer = None
         self._log_offset = 0
@@ -245,7 +258,7 @@ class LoopbackServer:
         # Port 0: the server binds a free port itself and announces it (no window for another process to take it).
         command = [sys.executable, "-P", str(Path(__file__).resolve()), "--port", str(self.port or 0)]
         command += ["--inline-limit", str(self.inline_limit), "--blocked-imports", ",".join(self.blocked_imports)]
-        command += ["--parent-pid", str(os.getpid())]
+        command += ["--parent-pid", str(os.getpid()), "--max-request-bytes", str(self.max_request_bytes)]
         for name, folder in self.models.items():
             command += ["--model", f"{name}={folder}"]
         env = dict(os.environ)
@@ -342,6 +355,13 @@ class LoopbackServer:
         import httpx
 
         httpx.delete(f"{self.url}/stats", headers={API_KEY_HEADER: self.api_key}, timeout=10.0).raise_for_status()
+
+    def make_unavailable(self, requests: int) -> None:
+        """Answer the next ``requests`` ``POST /request`` with 503 Service Unavailable (a test fault)."""
+        import httpx
+
+        httpx.post(f"{self.url}/faults", json={"unavailable": int(requests)},
+                   headers={API_KEY_HEADER: self.api_key}, timeout=10.0).raise_for_status()
 
     # -- client helpers ----------------------------------------------------------------------------------------------
 
@@ -481,8 +501,11 @@ class _Job:
 
 
 class _State:
-    def __init__(self, served: dict[str, _ServedModel], api_key: str, inline_limit: int, port: int) -> None:
+    def __init__(self, served: dict[str, _ServedModel], api_key: str, inline_limit: int, port: int,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.served = served
+        self.max_request_bytes = max_request_bytes
+        self.unavailable = 0  # test fault: how many coming POST /request answer 503
         self.api_key = api_key
         self.inline_limit = inline_limit
         self.port = port
@@ -548,7 +571,16 @@ class _JobFailed(Exception):
     pass
 
 
-def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, port: int):
+def result_token(api_key: str, request_id: str) -> str:
+    """The presigned-URL token of a result: an HMAC of the request id under the server's key."""
+    import hashlib
+    import hmac
+
+    return hmac.new(api_key.encode(), request_id.encode(), hashlib.sha256).hexdigest()
+
+
+def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, port: int,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
     """The FastAPI app (see the module docstring for the endpoints)."""
     from fastapi import FastAPI, HTTPException, Request, Response, WebSocket, WebSocketDisconnect
     from fastapi.responses import JSONResponse
@@ -556,7 +588,7 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
     from pydantic import ValidationError
     from starlette.background import BackgroundTask
 
-    state = _State(served, api_key, inline_limit, port)
+    state = _State(served, api_key, inline_limit, port, max_request_bytes)
     tasks: set[asyncio.Task] = set()
 
     @contextlib.asynccontextmanager
@@ -574,8 +606,24 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
                 401, "Missing API key: this loopback NDIF server requires one. Set NDIF_API_KEY (or nnsight's "
                 "CONFIG.API.APIKEY, e.g. with LoopbackServer.client()) to the server's key.",
             )
-        if given != state.api_key:
+        import hmac
+
+        if not hmac.compare_digest(given.encode(), state.api_key.encode()):
             raise HTTPException(403, "Invalid API key: the loopback NDIF server does not accept this key.")
+
+    async def bounded_body(http_request: Request) -> None:
+        """Read the body, refusing (413) one over the size limit before reading it whole."""
+        limit = state.max_request_bytes
+        declared = http_request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise HTTPException(413, f"Request too large: {int(declared):,} bytes, the limit is {limit:,} bytes.")
+        chunks, size = [], 0
+        async for chunk in http_request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPException(413, f"Request too large: over {limit:,} bytes, the limit.")
+            chunks.append(chunk)
+        http_request._body = b"".join(chunks)  # what .form() parses from here on
 
     def response_json(job: _Job, status: Any, description: str, data: Any = None, meta: Any = None) -> str:
         return BackendResponseModel(id=job.request.id, status=status, description=description, data=data,
@@ -624,7 +672,8 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
             job.finish(status="COMPLETED" if delivered else "UNDELIVERED", transport="inline", wire_bytes=len(frame))
         else:
             state.results[job.request.id] = (blob, job)
-            url = f"http://127.0.0.1:{state.port}/result/{job.request.id}"
+            token = result_token(state.api_key, job.request.id)
+            url = f"http://127.0.0.1:{state.port}/result/{job.request.id}?token={token}"
             await publish(job, response_json(job, Status.COMPLETED, "Your job has been completed.", url, meta))
             # finished when downloaded (GET /result)
 
@@ -668,11 +717,19 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
         request = None
         try:
             check_key(given)
+            if state.unavailable > 0:
+                state.unavailable -= 1
+                raise HTTPException(503, "Service Unavailable: the deployment is restarting (a loopback test fault).")
+            await bounded_body(http_request)
             form = await http_request.form()
             try:
                 request = BackendRequestModel.model_validate_json(form.get("data") or "")
             except ValidationError as error:
                 raise HTTPException(422, f"Malformed request envelope: {error}") from error
+            # Server-side fields are the server's: a fresh id (a client cannot pick or collide with one), never
+            # trusted, and the key it was checked with.
+            request.id = uuid.uuid4().hex
+            request.trusted = False
             blob = form.get("blob")
             if blob is None or isinstance(blob, str):
                 raise HTTPException(422, "Malformed request: no 'blob' file part.")
@@ -721,7 +778,11 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
         return model
 
     @app.get("/result/{request_id}")
-    async def get_result(request_id: str) -> Response:
+    async def get_result(request_id: str, http_request: Request, token: Optional[str] = None) -> Response:
+        import hmac
+
+        if token is None or not hmac.compare_digest(token, result_token(state.api_key, request_id)):
+            check_key(http_request.headers.get(API_KEY_HEADER))
         entry = state.results.pop(request_id, None)
         if entry is None:
             raise HTTPException(404, f"No result for request {request_id} (unknown, or already downloaded).")
@@ -733,7 +794,8 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
         return Response(blob, media_type="application/octet-stream", background=BackgroundTask(delivered))
 
     @app.get("/response/{request_id}")
-    async def get_response(request_id: str) -> Response:
+    async def get_response(request_id: str, http_request: Request) -> Response:
+        check_key(http_request.headers.get(API_KEY_HEADER))
         body = state.responses.get(request_id)
         if body is None:
             raise HTTPException(404, f"No response for request {request_id}.")
@@ -750,19 +812,27 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
         state.records.clear()
         return {"cleared": True}
 
+    @app.post("/faults")
+    async def set_faults(http_request: Request) -> dict:
+        check_key(http_request.headers.get(API_KEY_HEADER))
+        state.unavailable = max(0, int((await http_request.json()).get("unavailable", 0)))
+        return {"unavailable": state.unavailable}
+
     @app.get("/status")
-    async def get_status() -> dict:
+    async def get_status(http_request: Request) -> dict:
+        check_key(http_request.headers.get(API_KEY_HEADER))
         deployments = {
             model.model_key: {
                 "model_key": model.model_key, "repo_id": name, "revision": "main", "task": "text-generation",
-                "deployment_level": "HOT", "application_state": "RUNNING", "folder": model.folder,
+                "deployment_level": "HOT", "application_state": "RUNNING",
             }
             for name, model in state.served.items()
         }
         return {"deployments": deployments}
 
     @app.get("/env")
-    async def get_env() -> dict:
+    async def get_env(http_request: Request) -> dict:
+        check_key(http_request.headers.get(API_KEY_HEADER))
         if state.env is None:
             from nnsight.ndif import get_local_env
 
@@ -774,13 +844,14 @@ def build_app(served: dict[str, _ServedModel], api_key: str, inline_limit: int, 
         return "pong"
 
     @app.api_route("/connected", methods=["GET", "HEAD"])
-    async def connected() -> dict:
+    async def connected(http_request: Request) -> dict:
+        check_key(http_request.headers.get(API_KEY_HEADER))
         return {"status": "connected"}
 
     @app.get("/whoami")
     async def whoami(http_request: Request) -> dict:
-        given = http_request.headers.get(API_KEY_HEADER)
-        return {"email": "loopback@127.0.0.1" if given == state.api_key else None, "tags": []}
+        check_key(http_request.headers.get(API_KEY_HEADER))
+        return {"email": "loopback@127.0.0.1", "tags": []}
 
     return app
 
@@ -802,6 +873,8 @@ def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--model", action="append", default=[], metavar="NAME=FOLDER", help="serve FOLDER as NAME")
     parser.add_argument("--inline-limit", type=int, default=DEFAULT_INLINE_LIMIT,
                         help="results up to this many bytes go back on the websocket, larger ones by download")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="refuse (413) a request body larger than this")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (LoopbackServer passes its own pid)")
     parser.add_argument("--blocked-imports", default=",".join(DEFAULT_BLOCKED_IMPORTS),
@@ -865,8 +938,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     port = listener.getsockname()[1]
     served = {name: _ServedModel(name, folder) for name, folder in args.models.items()}
     for model in served.values():
-        print(f"serving {model.name} from {model.folder} as {model.model_key}", flush=True)
-    app = build_app(served, args.api_key, args.inline_limit, port)
+        print(f"serving {model.name} as {model.model_key}", flush=True)
+    app = build_app(served, args.api_key, args.inline_limit, port, args.max_request_bytes)
     config = uvicorn.Config(
         app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=2, lifespan="on"
     )
