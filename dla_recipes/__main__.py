@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         remote = _remote(args.remote)
         dtype = _dtype(args.dtype)
         kwargs = {"remote": True} if remote else {"dtype": dtype, "device_map": "cpu"}
+        if args.by == "source":  # the attention pattern is read from eager attention's weights
+            kwargs["attn_implementation"] = "eager"
         model = dla_recipes.load(_resolve_model(args.model), **kwargs)
         attr = dla_recipes.attribute(
             model, args.prompt, args.target, contrast=args.contrast, position=args.position, by=args.by, remote=remote

@@ -92,7 +92,8 @@ def load(model, tokenizer=None, **kwargs):
             A missing folder, or a hub id while the hub is offline or unreachable, is an ``InputError`` at once.
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
-            the model without weights for NDIF). The family table's loading needs (a ``RenameConfig`` for Phi,
+            the model without weights for NDIF; ``attn_implementation="eager"`` for ``by="source"``, also on an
+            already-built model). The family table's loading needs (a ``RenameConfig`` for Phi,
             RecurrentGemma, Zamba2; ``allow_multimodal``; ``check_renaming``) are filled in unless given.
     """
     from nnterp import StandardizedTransformer
@@ -104,6 +105,8 @@ def load(model, tokenizer=None, **kwargs):
         kwargs["dtype"] = check_dtype(kwargs["dtype"])
     if isinstance(model, (str, os.PathLike)):
         model = check_source(model)
+    if isinstance(model, torch.nn.Module) and "attn_implementation" in kwargs:  # a built model: switch it now
+        model.set_attn_implementation(kwargs.pop("attn_implementation"))
     kwargs = {**_family_kwargs(model), **kwargs, "tokenizer": _tokenizer_for(model, tokenizer)}
     # nnterp checks its renaming with a fake-tensor scan; on fused MoE experts torch logs a long, harmless error
     # traceback before nnterp falls back to a real trace. Keep it out of the user's output.
@@ -184,11 +187,12 @@ def _prompts(prompts) -> list[str]:
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
-                 done: tuple = (), intervene=None) -> Attribution:
+                 done: tuple = (), intervene=None, sources=None) -> Attribution:
     """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label.
 
     ``done``: readouts of the first batches, already run (``RemoteBatchError.resume``). When remote request ``k``
     fails for good, a ``RemoteBatchError`` keeps the attribution of the requests that completed and can resume.
+    ``sources``: the ``plan.Sources`` of a ``by="source"`` run (its labels).
     """
     if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
         warnings.warn(
@@ -207,9 +211,9 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
     readouts, failed, error = run_all(run, todo, remote)
     readouts = list(done) + readouts
     if error is None:
-        return _assemble(model, plan, batches, readouts, by, tolerance, stop)
+        return _assemble(model, plan, batches, readouts, by, tolerance, stop, sources)
     k = len(readouts)
-    partial = _assemble(model, plan, batches[:k], readouts, by, tolerance, stop) if readouts else None
+    partial = _assemble(model, plan, batches[:k], readouts, by, tolerance, stop, sources) if readouts else None
     covered = tuple(range(sum(len(b.prompts) for b in batches[:k])))
     raise RemoteBatchError(
         f"request {k + 1} of {len(batches)} failed: {error}\n\nThe {k} request(s) before it completed: their "
@@ -217,11 +221,11 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         f"{len(batches) - k} remaining request(s) and get the whole attribution.",
         partial=partial, done=covered, failed_batch=k, cause=error,
         resume=lambda: _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop,
-                                    done=tuple(readouts), intervene=intervene),
+                                    done=tuple(readouts), intervene=intervene, sources=sources),
     ) from error
 
 
-def _assemble(model, plan, batches, readouts, by, tolerance, stop) -> Attribution:
+def _assemble(model, plan, batches, readouts, by, tolerance, stop, sources=None) -> Attribution:
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order)."""
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
@@ -233,7 +237,7 @@ def _assemble(model, plan, batches, readouts, by, tolerance, stop) -> Attributio
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Attribution(
         values=readout.values,
-        labels=plan.labels(by, stop),
+        labels=plan.labels(by, stop, sources),
         constant=readout.constant,
         logit=readout.logit,
         output_logit=readout.output_logit,
@@ -265,6 +269,7 @@ def attribute(
     progress: bool | None = None,
     tolerance: float | None = None,
     intervene=None,
+    sources: dict | None = None,
 ) -> Attribution:
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -278,7 +283,8 @@ def attribute(
         position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
             never shifts it.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
-            of every routed expert) or ``"expert"`` (one component per routed expert).
+            of every routed expert), ``"expert"`` (one component per routed expert) or ``"source"`` (``L3.H5.S2``:
+            head 5's part read from the prompt's own token 2; needs eager attention, see ``dla_recipes.sources``).
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
@@ -291,6 +297,10 @@ def attribute(
             parts sum to the edited model's own logit, and an ablated head's direct part is 0. It runs once per
             batch (``batch_size``) on that batch's rows, and with ``remote`` it travels with the request (by its
             source: give a ``def`` or a lambda, and pass the tensors it uses as defaults or globals).
+        sources: ``by="source"`` only: ``dict(layers=[...], top_heads=k)`` splits only these blocks' heads, or
+            only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
+            other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
+            largest attributed own position plus one; a prompt has zeros for sources it does not have.
 
     Returns:
         An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
@@ -306,12 +316,25 @@ def attribute(
         prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
         for c in _chunks(len(prompts), batch_size)
     ]
+    if sources is not None and by != "source":
+        raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
+    make_args = lambda b: (plan, b.positions, b.targets, b.contrasts, by)  # noqa: E731
+    split = None
+    if by == "source":
+        from . import sources as source_split
+
+        layers, top = source_split.parse(plan, sources)
+        source_split.check_model(model, plan, layers)
+        heads = None
+        if top is not None:
+            heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
+                              batch_size=batch_size, progress=progress, tolerance=tolerance, intervene=intervene)
+        count = max(own for b in batches for own in b.own_positions) + 1
+        split = source_split.choose(plan, layers, top, count, heads)
+        make_args = lambda b: (plan, b.positions, b.targets, b.contrasts, by, split, source_split.offsets(b))  # noqa: E731
     try:
-        return _run_batches(
-            model, plan, batches, direct_logit_attribution,
-            lambda b: (plan, b.positions, b.targets, b.contrasts, by), by, remote, progress, tolerance,
-            intervene=intervene,
-        )
+        return _run_batches(model, plan, batches, direct_logit_attribution, make_args, by, remote, progress, tolerance,
+                            intervene=intervene, sources=split)
     except ExactnessError as error:
         if intervene is None:
             raise
@@ -358,6 +381,8 @@ def attribute_direction(
     Returns:
         An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
     """
+    if by == "source":
+        raise InputError("attribute_direction does not split heads by source yet: use by='head'")
     model, prompts, batch_size, tolerance = check_arguments(model, prompts, by, batch_size, tolerance, remote)
     plan = build_plan(model)
     stop = plan.stop_before(check_int(layer, "layer"), sublayer)

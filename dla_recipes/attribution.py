@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 _LABEL = re.compile(r"^L(\d+)\.(H|N)(\d+)$")
-_PART = re.compile(r"^L\d+\.(H\d+|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")  # a head, neuron, expert: not a block
+_PART = re.compile(r"^L\d+\.(H\d+(\.S\d+)?|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")  # a head, source, neuron, expert
+_SOURCE = re.compile(r"^L(\d+)\.H(\d+)\.S(\d+)$")
 
 
 @dataclass
@@ -28,7 +29,8 @@ class Attribution:
             has one (Gemma 2, RecurrentGemma), else equal to ``logit``.
         error: max over prompts of ``|values.sum(-1) + constant - logit|``.
         prompts, target_tokens, contrast_tokens, positions: what was attributed.
-        by: ``"block"``, ``"head"``, ``"neuron"`` or ``"expert"``.  family: the family table entry's name.
+        by: ``"block"``, ``"head"``, ``"neuron"``, ``"expert"`` or ``"source"`` (``"L3.H5.S2"``: head 5 of block
+            3 reading the prompt's own token 2).  family: the family table entry's name.
         read_by: for ``attribute_direction``, the norm the direction was read through (``"L3.ln_2"``); empty for a
             logit.
     """
@@ -103,8 +105,40 @@ class Attribution:
         values = torch.zeros(len(self), len(keep)).index_add_(1, owner, self.values)
         return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block")
 
+    def heads(self) -> "Attribution":
+        """A ``by="source"`` attribution at head granularity: each head's sources summed into ``L3.H5``.
+
+        ``heads().values`` equals ``attribute(..., by="head").values`` (to float error)."""
+        if self.by != "source":
+            raise ValueError(f"heads() sums a by='source' attribution's sources; this one is by={self.by!r}")
+        names, owner = [], []
+        for label in self.labels:
+            match = _SOURCE.match(label)
+            name = f"L{match.group(1)}.H{match.group(2)}" if match else label
+            if not names or names[-1] != name or not match:
+                names.append(name)
+            owner.append(len(names) - 1)
+        values = torch.zeros(len(self), len(names)).index_add_(1, torch.tensor(owner), self.values)
+        return replace(self, values=values, labels=names, by="head")
+
+    def sources(self) -> torch.Tensor:
+        """``[batch, layers, heads, sources]``: a ``by="source"`` attribution's parts laid out by layer, head and
+        own source position (``S0`` = the prompt's first token); NaN for heads not split by source."""
+        found = [(int(m.group(1)), int(m.group(2)), int(m.group(3)), j) for j, lab in enumerate(self.labels)
+                 if (m := _SOURCE.match(lab))]
+        if not found:
+            raise ValueError(f"this attribution has no per-source components (by={self.by!r}); use by='source'")
+        shape = [max(f[k] for f in found) + 1 for k in range(3)]
+        out = torch.full((len(self), *shape), float("nan"))
+        for layer, head, source, j in found:
+            out[:, layer, head, source] = self.values[:, j]
+        return out
+
     def grid(self, kind: str = "H") -> torch.Tensor:
-        """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where absent."""
+        """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where
+        absent. On a ``by="source"`` attribution, ``"H"`` sums each head's sources (``heads()``)."""
+        if kind == "H" and any(_SOURCE.match(label) for label in self.labels):
+            return self.heads().grid("H")
         found = [(int(m.group(1)), int(m.group(3)), j) for j, lab in enumerate(self.labels)
                  if (m := _LABEL.match(lab)) and m.group(2) == kind]
         if not found:

@@ -154,6 +154,17 @@ class Term:
 
     The stream after the term, in full: ``stream_norm_after((stream_norm(stream) + stream_bias) * stream_scale
     * stream_multiplier + write)``.
+        values: heads split: where the attention's values are read, ``"<path>.output"`` of ``[batch, pos,
+            kv_heads * head_dim]`` or ``[batch, pos, kv_heads, head_dim]``: the value projection's output (bias
+            included), or the value norm's output where the family normalises values (Gemma-4's ``v_norm``). Query
+            head ``h`` reads group ``h // (heads / kv_heads)`` (GQA / MQA). The attention pattern is the second
+            element of the output of the module that owns ``projection`` (``self_attn``) under eager attention.
+            ``by="source"`` needs it; None: this term cannot be split by source position (latent attention, ...).
+        values_layout: where the values sit in a fused projection's output: ``"qkv"`` (queries, keys, values
+            concatenated, keys and values of equal width: the values are the last ``(width - heads * head_dim) / 2``
+            features; GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) or ``"per_head_qkv"`` (each head's query, key and
+            value side by side: ``[..., heads, 3 * head_dim]``, the values last; GPT-NeoX). None: the tensor is the
+            values.
     """
 
     name: str
@@ -188,6 +199,8 @@ class Term:
     output_gate: str | None = None
     position_conv: str | None = None
     projection_scale: str | None = None
+    values: str | None = None
+    values_layout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -244,6 +257,8 @@ def _sequential(
     multiplier: str | None = None,
     reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
     parallel: bool | str = False,
+    values: str | None = "self_attn.v_proj.output",
+    values_layout: str | None = None,
 ) -> tuple[LayerKind, ...]:
     """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
     attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
@@ -252,7 +267,7 @@ def _sequential(
         LayerKind(
             (
                 Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
-                     reads=reads[0]),
+                     reads=reads[0], values=values, values_layout=values_layout),
                 Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
                      reads=reads[1], parallel=parallel),
             )
@@ -261,7 +276,9 @@ def _sequential(
 
 
 LLAMA_LIKE = _sequential()
-ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")
+ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm",
+                 values="self_attn.v_proj.output")
+MLA = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")  # values inside kv_b_proj
 DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
 ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
 SANDWICH = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
@@ -328,7 +345,8 @@ RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.v
 
 FAMILIES: tuple[Family, ...] = (
     # Pre-norm blocks whose modules' outputs are what the block adds.
-    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2")),
+    Family("gpt2", ("gpt2",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2"), values="self_attn.c_attn.output",
+                                         values_layout="qkv"),
            notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
@@ -336,14 +354,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",), LLAMA_LIKE),
     Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
     Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
-    Family("phi3", ("phi3",), LLAMA_LIKE, notes="fused qkv_proj and gate_up_proj."),
+    Family("phi3", ("phi3",), _sequential(values="self_attn.qkv_proj.output", values_layout="qkv"), notes="fused qkv_proj and gate_up_proj."),
     Family("smollm3", ("smollm3",), LLAMA_LIKE),
     Family("apertus", ("apertus",), _sequential(reads=("attention_layernorm", "feedforward_layernorm")),
            notes="xIELU MLP without a gate."),
     # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
     Family("gptj", ("gptj",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block; lm_head has a bias."),
-    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual"),
+    Family("gpt_neox", ("gpt_neox",), _sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual",
+                                                 values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
            notes="parallel (use_parallel_residual) or sequential."),
     Family("phi", ("phi",), _sequential("dense", "fc2", reads=("input_layernorm", "input_layernorm"), parallel=True),
            rename={"ln_final_name": "final_layernorm"},
@@ -367,10 +386,10 @@ FAMILIES: tuple[Family, ...] = (
         shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"))),),
         notes="a shared expert gated by sigmoid(shared_expert_gate), run before the routed experts."),
     Family("deepseek_v3", ("deepseek_v3",), (
-        LayerKind((ATTENTION, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
-                                   reads="post_attention_layernorm")),
+        LayerKind((MLA, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+                             reads="post_attention_layernorm")),
                   when="mlp.experts"),
-        LayerKind((ATTENTION, DENSE_MLP)),
+        LayerKind((MLA, DENSE_MLP)),
     ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
     # --- Mixtures of experts with their own layouts (issue 12)
     Family("gpt_oss", ("gpt_oss",), (LayerKind((ATTENTION, Term(
@@ -432,7 +451,7 @@ FAMILIES: tuple[Family, ...] = (
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
         Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual",
-             reads="input_layernorm"),
+             reads="input_layernorm", values="self_attn.v_proj.output"),
         Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual",
              reads="post_attention_layernorm"),
     )),), notes="per-channel residual gates: mid = input_residual * x + attn; out = post_attention_residual * mid + mlp."),
@@ -450,7 +469,7 @@ FAMILIES: tuple[Family, ...] = (
     )),), notes="each merge is (h + hb) * hs + (stream + rb) * rs (ZayaResidualScaling); MoE MLP."),
     Family("gemma4", ("gemma4_text", "gemma4"), (LayerKind((
         Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-             reads="input_layernorm"),
+             reads="input_layernorm", values="self_attn.v_norm.output"),
         Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
              post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
              reads="pre_feedforward_layernorm", when="experts"),
@@ -572,7 +591,8 @@ FAMILIES: tuple[Family, ...] = (
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
     # Modules that add the residual inside themselves, in-place adds, sublayers outside a module.
     Family("bloom", ("bloom",), (LayerKind((
-        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm"),
+        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm",
+             values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
         Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
     )),), notes="modules add the residual inside: the terms are the dense projections' outputs."),
     Family("falcon", ("falcon",), (
@@ -590,7 +610,8 @@ FAMILIES: tuple[Family, ...] = (
         )),
     ), notes="parallel: the block adds the attention output into the MLP output in place (the MLP term is a copy)."),
     Family("opt", ("opt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
+        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm",
+             values="self_attn.v_proj.output"),
         Term("mlp", "fc2.output", "neurons", "fc2", flat=True, reads="final_layer_norm"),
     )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
 )

@@ -17,9 +17,31 @@ import torch
 from .errors import FamilyTableError, InputError
 from .families import Family, Term, family_of
 
-Granularity = str  # "block" | "head" | "neuron" | "expert"
+Granularity = str  # "block" | "head" | "neuron" | "expert" | "source"
 Stop = tuple  # (layer, number of that block's terms already added): a point in the residual stream
-GRANULARITIES = ("block", "head", "neuron", "expert")
+GRANULARITIES = ("block", "head", "neuron", "expert", "source")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """How ``by="source"`` splits heads: which heads are split over source positions, and into how many.
+
+    Attributes:
+        count: sources per split head, ``S0 .. S{count-1}``: indices into each prompt's own tokens (0 = its first
+            token, whatever the padding); ``count`` is the largest attributed own position plus one, so a prompt
+            whose attributed position is earlier has zeros for the sources it does not have.
+        heads: the ``(layer, head)`` pairs split by source; None: every head. The other heads stay whole
+            (``L3.H5``), as with ``by="head"``.
+    """
+
+    count: int
+    heads: frozenset | None = None
+
+    def split(self, layer: int, heads: int) -> tuple[bool, ...]:
+        """Which of block ``layer``'s ``heads`` are split by source."""
+        if self.heads is None:
+            return (True,) * heads
+        return tuple((layer, h) in self.heads for h in range(heads))
 
 
 @dataclass(frozen=True)
@@ -60,16 +82,25 @@ class PlannedTerm:
         split = self.term.split
         if split == "heads" and by == "head" and self.parts:
             return "heads"
+        if split == "heads" and by == "source" and self.parts and self.term.router is None:
+            return "sources" if self.term.values else "heads"
         if split == "neurons" and by == "neuron" and self.parts:
             return "neurons"
         if split == "experts" and self.experts:
             return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
         return None
 
-    def labels(self, i: int, by: Granularity) -> list[str]:
-        """This term's component labels in block ``i``; the last is always the block label (the term's rest)."""
+    def labels(self, i: int, by: Granularity, sources: Sources | None = None) -> list[str]:
+        """This term's component labels in block ``i``; the last is always the block label (the term's rest).
+
+        ``by="source"`` labels ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads
+        ``sources`` splits, ``L3.H5`` for the others."""
         mode, block = self.mode(by), f"L{i}.{self.term.name}"
-        if mode == "heads":
+        if mode == "sources":
+            split = sources.split(i, self.parts) if sources is not None else (False,) * self.parts
+            parts = [label for h in range(self.parts) for label in
+                     ([f"L{i}.H{h}.S{s}" for s in range(sources.count)] if split[h] else [f"L{i}.H{h}"])]
+        elif mode == "heads":
             parts = [f"L{i}.H{p}" for p in range(self.parts)]
         elif mode == "neurons":
             parts = [f"L{i}.N{p}" for p in range(self.parts)]
@@ -94,15 +125,15 @@ class Plan:
     num_heads: int
     head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
 
-    def labels(self, by: Granularity = "block", stop: "Stop | None" = None) -> list[str]:
+    def labels(self, by: Granularity = "block", stop: "Stop | None" = None, sources: Sources | None = None) -> list[str]:
         """Component labels in forward order: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` /
-        ``L3.E2`` / ``L3.E2.N17`` when split; a split term keeps its block label for its rest). With ``stop``,
-        only the terms written before it."""
+        ``L3.E2`` / ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest). With
+        ``stop``, only the terms written before it; ``sources``: how ``by="source"`` splits the heads."""
         check_granularity(by)
         labels = ["embed"]
         for i, terms in enumerate(self.terms_before(stop)):
             for planned in terms:
-                labels.extend(planned.labels(i, by))
+                labels.extend(planned.labels(i, by, sources))
         return labels
 
     def terms_before(self, stop: "Stop | None") -> list[tuple[PlannedTerm, ...]]:

@@ -7,6 +7,7 @@ brings all three, and a figure function without plotly raises an ImportError tha
     from dla_recipes import plots
     plots.blocks_bar(attr)            # contributions per block term (embed, L0.attn, L0.mlp, ...), forward order
     plots.heads_heatmap(attr)         # layers x heads (an attribution by="head")
+    plots.sources_heatmap(attr, toks) # the strongest heads x the source tokens they read (by="source")
     plots.top_bar(attr, k=20)         # the k largest components (heads, neurons, experts, blocks)
     plots.top_table(attr, k=10)       # the same as a table with bars (a pandas Styler)
     plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot
@@ -133,6 +134,49 @@ def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
         xaxis=dict(title="head", side="top"), yaxis=dict(title="layer", autorange="reversed"),
         template="plotly_white", height=max(320, 22 * grid.shape[0] + 130), margin=dict(l=60, r=20, t=100, b=30),
         meta={"dla_plot": "heads_heatmap", "static_width": max(420, 60 * grid.shape[1] + 220)},
+    )
+    return fig
+
+
+def source_matrix(attr, prompt: int | None = 0, k: int = 10):
+    """``(rows, matrix [k, sources])`` of a ``by="source"`` attribution: the ``k`` heads with the largest total
+    ``|part|`` and their parts per own source position; ``prompt=None`` averages over the prompts (by own
+    position: meaningful for prompts of one template with the same token count)."""
+    grid = attr.sources()  # [batch, layers, heads, sources], NaN for heads not split
+    grid = grid.mean(0) if prompt is None else grid[_check_prompt(attr, prompt)]
+    flat = grid.flatten(0, 1)  # [layers * heads, sources]
+    weight = torch.nan_to_num(flat.abs(), nan=0.0).sum(-1)
+    order = torch.argsort(weight, descending=True)[: min(k, int((weight > 0).sum()) or 1)]
+    heads = grid.shape[1]
+    return [f"L{int(j) // heads}.H{int(j) % heads}" for j in order], flat[order]
+
+
+def sources_heatmap(attr, tokens, prompt: int | None = 0, k: int = 10, quantity: str | None = None):
+    """A heads x source-tokens heatmap of a ``by="source"`` attribution: which token each of the ``k`` strongest
+    heads read its part of the logit from. ``tokens``: the prompt's own tokens (the column labels, ``S0`` first);
+    ``prompt=None`` averages over the prompts (see ``source_matrix``)."""
+    import plotly.graph_objects as go
+
+    rows, matrix = source_matrix(attr, prompt, k)
+    n = min(len(tokens), matrix.shape[1])
+    matrix = matrix[:, :n]
+    columns = [f"{s}: {tok!r}" for s, tok in enumerate(tokens[:n])]
+    bound = float(torch.nan_to_num(matrix.abs(), nan=0.0).max()) or 1.0
+    fig = go.Figure(go.Heatmap(
+        z=[[round(float(v), 6) for v in row] for row in matrix.tolist()], x=columns, y=rows,
+        colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-bound, zmax=bound,
+        colorbar=dict(title=dict(text="logit" if quantity is None else "")),
+        hovertemplate="%{y} reading %{x}: %{z:.4f}<extra></extra>",
+    ))
+    what = f"Heads by source token ({attr.family})"
+    title = _title(attr, 0 if prompt is None else prompt, what, quantity)
+    if prompt is None:
+        title = f"{what}: mean over {len(attr)} prompts"
+    fig.update_layout(
+        title=dict(text=title, x=0.01, xanchor="left"),
+        xaxis=dict(title="source token", side="top", tickangle=-45), yaxis=dict(title="head", autorange="reversed"),
+        template="plotly_white", height=max(320, 26 * len(rows) + 200), margin=dict(l=80, r=20, t=160, b=30),
+        meta={"dla_plot": "sources_heatmap", "static_width": max(520, 70 * n + 240)},
     )
     return fig
 

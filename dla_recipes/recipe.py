@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FamilyTableError
+from .errors import DLAError, FamilyTableError
 from .frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
-from .plan import Granularity, Plan, PlannedTerm, Stop, check_granularity, module_at
+from .plan import Granularity, Plan, PlannedTerm, Sources, Stop, check_granularity, module_at
 from .readers import layer_input, layer_output, read_site
 
 
@@ -54,7 +54,8 @@ class Readout:
         output_logit: ``[batch]`` the model's output logit (difference), after any soft-cap.
         head_error: ``[]`` max |head(lm_head output) - output logits| at the attributed tokens: checks the family
             table's final head (logit scale, soft-cap).
-        norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms).
+        norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms), and with
+            ``by="source"`` of a head output rebuilt from the attention pattern and values.
         scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
     """
 
@@ -208,6 +209,8 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         data.update(_read_routed(layer, term, rows, positions))
     elif mode in ("heads", "neurons") and term.position_conv is not None:
         data.update(_read_lags(layer, term, rows, positions))
+    elif mode == "sources":
+        data.update(_read_sources(layer, planned, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
         if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
@@ -287,6 +290,75 @@ def _conv_scores(layer, planned: PlannedTerm, data: dict, u: torch.Tensor):
     parts = per_input.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
     constant = bias.view(batch, width).sum(1) if isinstance(bias, torch.Tensor) else 0.0
     return parts, constant
+
+
+def _read_sources(layer, planned: PlannedTerm, rows, positions) -> dict:
+    """What splitting heads by source position needs, read in forward order: the values of every position of the
+    attributed rows ``[batch, pos, kv_heads, head_dim]``, the heads as the output projection reads them at the
+    attributed positions ``[batch, heads * head_dim]``, and the attention pattern the model computed there
+    ``[batch, heads, pos]`` (the attention module's second output under eager attention). ``pattern_error`` is
+    ``max |sum_s A v - heads| / max |heads|``: the pattern and values must rebuild the model's own head outputs."""
+    term, batch = planned.term, rows.shape[0]
+    values = read_site(layer, term.values, batch)
+    values = values[rows.to(values.device)].float()  # every position of the attributed rows
+    inputs = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+    attention = module_at(layer, term.projection.rsplit(".", 1)[0]).output
+    weights = attention[1] if isinstance(attention, tuple) and len(attention) > 1 else None
+    if weights is None:
+        raise DLAError(
+            f"by='source' needs the attention pattern, and this model's attention ({planned.term.projection}'s module) "
+            "returns none: its attention implementation is not eager. Load the model with "
+            "dla_recipes.load(..., attn_implementation='eager')"
+        )
+    pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
+    values = _values_of(values, term.values_layout, planned.parts, planned.part_width)
+    rebuilt = _grouped_sum(pattern, values.to(pattern.device)).flatten(1)
+    scale = inputs.abs().max().clamp(min=1e-30)
+    return {"values": values, "inputs": inputs, "pattern": pattern,
+            "pattern_error": float(((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale))}
+
+
+def _values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
+    """``[batch, pos, kv_heads, head_dim]``: the values in a value tensor or a fused projection's output
+    (``Term.values_layout``)."""
+    batch, pos = fused.shape[:2]
+    fused = fused.reshape(batch, pos, -1)
+    if layout == "qkv":  # [queries | keys | values], keys and values of equal width
+        fused = fused[..., heads * head_dim + (fused.shape[-1] - heads * head_dim) // 2:]
+    elif layout == "per_head_qkv":  # [heads, (query, key, value)]
+        fused = fused.view(batch, pos, heads, 3 * head_dim)[..., 2 * head_dim:]
+    return fused.reshape(batch, pos, -1, head_dim)
+
+
+def _grouped_sum(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, head_dim]``: ``sum_s A[h, s] v[s, group(h)]`` for each query head (GQA / MQA groups)."""
+    batch, heads, keys = pattern.shape
+    kv = values.shape[2]
+    grouped = pattern.view(batch, kv, heads // kv, keys)
+    return torch.einsum("bvgk,bkvd->bvgd", grouped, values[:, :keys]).reshape(batch, heads, -1)
+
+
+def _source_scores(planned: PlannedTerm, data: dict, pulled: torch.Tensor, split: tuple, offsets: torch.Tensor,
+                   count: int) -> torch.Tensor:
+    """``[batch, parts]``: each split head's part per own source position (``count`` of them), the others whole.
+
+    Head ``h`` writes ``sum_s A[h, s] v[s]`` through the output projection, so its part read along the pulled-back
+    direction ``pulled`` ``[batch, heads * head_dim]`` splits exactly into ``A[h, s] * (v[s] . pulled_h)``. Source
+    ``s`` of a prompt is padded position ``offsets[b] + s``; a source past the padded length is zero.
+    """
+    heads, width = planned.parts, planned.part_width
+    pattern, values = data["pattern"], data["values"].to(data["pattern"].device)
+    u = pulled.to(pattern.device).view(-1, heads, width)
+    whole = (data["inputs"].to(u.device).view(-1, heads, width) * u).sum(-1)  # [batch, heads]
+    batch, _, keys = pattern.shape
+    kv = values.shape[2]
+    along = torch.einsum("bkvd,bvgd->bvgk", values[:, :keys], u.view(batch, kv, heads // kv, width))
+    per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
+    index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
+    inside = index < keys
+    own = per_source.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+    pieces = [own[:, h] if split[h] else whole[:, h:h + 1] for h in range(heads)]
+    return torch.cat(pieces, -1)
 
 
 def _read_routed(layer, term, rows, positions) -> dict:
@@ -414,8 +486,9 @@ def _expert_scores(layer, planned: PlannedTerm, mode: str, data: dict, u: torch.
 
 
 def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: torch.Tensor, outer: FrozenNorm | None,
-               outer_bias: bool) -> torch.Tensor:
-    """``[batch, parts + 1]``: the term's parts (heads, neurons, experts; none at block level), then its rest."""
+               outer_bias: bool, split=None) -> torch.Tensor:
+    """``[batch, parts + 1]``: the term's parts (heads, neurons, experts, head sources; none at block level), then
+    its rest. ``split``: for ``mode="sources"``, ``(heads split, offsets [batch], count)`` (``_source_scores``)."""
     term = planned.term
     u, rest = _write_direction(layer, planned, v)
     if outer is not None:
@@ -437,14 +510,17 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     elif mode in ("heads", "neurons") and "lag_inputs" in data:
         parts, bias = _conv_scores(layer, planned, data, u)
         rest = rest + bias
-    elif mode in ("heads", "neurons"):
+    elif mode in ("heads", "neurons", "sources"):
         if term.then is not None:  # a second map after the projection: pull u back through it first
             u, then_bias = _linear_pullback(module_at(layer, term.then), u, False)
             rest = rest + then_bias
         if "output_gate" in data:
             u = u * data["output_gate"].to(u.device)
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
-        parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+        if mode == "sources":
+            parts = _source_scores(planned, data, pulled, *split)
+        else:
+            parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
     else:
         parts, bias = _expert_scores(layer, planned, mode, data, u)
@@ -453,15 +529,19 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     return torch.cat([parts, rest.unsqueeze(-1)], -1)
 
 
-def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
+                 split=None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
-    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None).
+    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split`` (``by="source"``):
+    ``(heads -> which heads are split, offsets [batch], source count)``.
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
     modes = [planned.mode(by) for planned in terms]
+    modes = ["heads" if m == "sources" and (split is None or not any(split[0](p.parts))) else m
+             for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
     last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
     datas, outers = [], {}
     for k, planned in enumerate(terms):
@@ -472,11 +552,13 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
                 fit_errors.append(outers[path].fit_error)
     fit_errors.extend(d[key].fit_error for d in datas for key in ("post_norm", "stream_norm", "stream_norm_after")
                       if key in d)
+    fit_errors.extend(d["pattern_error"] for d in datas if "pattern_error" in d)
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.outer_norm
         v, stream_constant, after_constant = directions[k]
-        score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased)
+        score = score_term(layer, planned, modes[k], datas[k], v, outers.get(path), path is not None and path not in biased,
+                           None if split is None else (split[0](planned.parts),) + split[1:])
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
@@ -515,9 +597,12 @@ def _scaled(scores: list, scale: torch.Tensor) -> list:
 
 
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
-              stop: Stop | None = None) -> tuple[torch.Tensor, list[float]]:
+              stop: Stop | None = None, sources: Sources | None = None,
+              offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
+    ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
+    each prompt's own tokens start in the padded sequence.
 
     Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors.
     """
@@ -531,7 +616,11 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     for i, terms in enumerate(plan.terms_before(stop)):
-        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+        split = None
+        if by == "source":
+            split = (lambda heads, i=i: sources.split(i, heads), offsets, sources.count)
+        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
+                                                        fit_errors, split):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = _scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -558,6 +647,8 @@ def direct_logit_attribution(
     targets: torch.Tensor,
     contrasts: torch.Tensor | None = None,
     by: Granularity = "block",
+    sources: Sources | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
@@ -566,13 +657,15 @@ def direct_logit_attribution(
         plan: ``build_plan(model)``.
         positions: ``[batch]`` long, the attributed position of each prompt, an index into the padded sequence.
         targets, contrasts: ``[batch]`` long token ids (``contrasts`` optional: attribute the logit difference).
-        by: ``"block"``, ``"head"``, ``"neuron"`` or ``"expert"``.
+        by: ``"block"``, ``"head"``, ``"neuron"``, ``"expert"`` or ``"source"``.
+        sources, offsets: ``by="source"``: the heads split and into how many sources (``plan.Sources``), and
+            ``[batch]`` long, where each prompt's own tokens start in the padded sequence.
     """
     check_granularity(by)
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
-        scores, fit_errors = decompose(model, plan, direction, positions, by)
+        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets)
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:

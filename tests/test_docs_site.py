@@ -36,8 +36,8 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
     "--hide-scrollbars",
 )
-NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
-                  "ablate-patch-steer/", "gallery/"]
+NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "families/", "remote/",
+                  "attribute-direction/", "ablate-patch-steer/", "gallery/"]
 PAGES = ["", *NOTEBOOK_PAGES, "api/"]
 
 needs_browser = pytest.mark.skipif(

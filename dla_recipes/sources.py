@@ -1,0 +1,136 @@
+"""Client-side checks and choices for ``attribute(..., by="source")``: which heads split by source position.
+
+A head's write at position ``p`` is ``z_h[p] = sum_s A_h[p, s] v_h[s]``, linear in the values once the attention
+pattern ``A`` the model computed is read, so its part splits exactly over source positions ``s`` (the in-trace
+math is ``recipe._source_scores``). This module decides, before any forward pass, whether the model can be split
+(its attention must return the pattern: eager attention; its family must say where the values are read,
+``Term.values`` and ``Term.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
+otherwise.
+
+How the pattern is read, per family: the model's own attention weights, the second output of the attention
+module, which transformers returns under ``attn_implementation="eager"`` (after soft-capping, sliding-window and
+padding masks, and without the sink column of attention-sink families, whose rows sum to less than 1: the missing
+mass belongs to no source). sdpa / flash attention return no pattern, so they are refused with a ``DLAError``
+saying how to load the model; no pattern is recomputed. Where the values are read (``Term.values``):
+
+- ``v_proj``'s output: Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 1/2/3, SmolLM3, Apertus, GPT-J, Mixtral, Qwen2-MoE,
+  OLMoE, GLM-4, EXAONE-4, Granite, Cohere, OPT, Phi, Doge; Gemma-4: ``v_norm``'s output (its KV-shared layers are
+  refused: split the others with ``sources=dict(layers=[...])``);
+- a fused projection's output: GPT-2, Phi-3 (``values_layout="qkv"``), GPT-NeoX, BLOOM (``"per_head_qkv"``);
+- refused: Falcon (cannot switch to eager), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention), ZAYA,
+  RecurrentGemma (sdpa only), Zamba2 (no heads).
+
+Each split block's heads are rebuilt from the pattern and values in the trace, ``sum_s A v`` against the output
+projection's real input; the largest relative gap is reported with the norm fit errors
+(``attr.diagnostics["norm_fit_error"]``), and a gap shows in the self-check.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .errors import DLAError, InputError
+from .plan import Plan, Sources, _has_path
+
+OPTIONS = ("layers", "top_heads")
+
+
+def attention_implementation(model) -> str | None:
+    """The attention implementation transformers runs (``"eager"``, ``"sdpa"``, ...), None when unknown."""
+    hf = getattr(model, "_module", model)
+    config = getattr(hf, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "_attn_implementation", None)
+
+
+def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
+    """Raise a ``DLAError`` unless every split layer's attention can be split by source position.
+
+    Remotely nnsight 0.8 sends the client model's attention implementation with each request and the server
+    switches to it, so a remote model is loaded with ``attn_implementation="eager"`` too; a server that runs
+    another one anyway is caught in the trace (a ``RemoteError`` with the same advice)."""
+    if not layers:
+        raise DLAError(f"family {plan.family.name!r}: this model has no attention heads to split by source")
+    for i in layers:
+        heads = [p for p in plan.layers[i] if p.term.split == "heads"]
+        if not heads:
+            raise InputError(f"block {i} of this {plan.family.name} model has no attention heads to split by source")
+        for planned in heads:
+            term = planned.term
+            if term.router is not None or not term.values:
+                raise DLAError(
+                    f"family {plan.family.name!r}: by='source' is not supported: its attention "
+                    f"({term.projection}) has no value tensor in the family table (fused QKV, latent attention, a "
+                    "mixture of attention, or attention that never returns its pattern); use by='head'"
+                )
+            if not _has_path(model.layers[i], term.values.rsplit(".", 1)[0]):
+                raise DLAError(
+                    f"family {plan.family.name!r}: block {i} computes no values of its own ({term.values} is absent: "
+                    "it reuses another block's keys and values); split other layers with "
+                    "sources=dict(layers=[...])"
+                )
+    impl = attention_implementation(model)
+    if impl is not None and impl != "eager":
+        raise DLAError(
+            f"by='source' reads the attention pattern the model computed, and {impl!r} attention does not return it. "
+            "Load the model with dla_recipes.load(..., attn_implementation='eager')"
+        )
+
+
+def head_layers(plan: Plan) -> list[int]:
+    """The blocks whose attention splits into heads."""
+    return [i for i, terms in enumerate(plan.layers) if any(p.term.split == "heads" and p.parts for p in terms)]
+
+
+def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
+    """``(layers, top_heads)`` from the user's ``sources`` dict (None: every head of every attention block)."""
+    sources = dict(sources or {})
+    unknown = set(sources) - set(OPTIONS)
+    if unknown:
+        raise InputError(f"sources has unknown keys {sorted(unknown)}: use {', '.join(OPTIONS)}")
+    all_layers = head_layers(plan)
+    layers = sources.get("layers")
+    if layers is None:
+        layers = all_layers
+    else:
+        n = len(plan.layers)
+        try:
+            layers = sorted({int(i) % n if -n <= int(i) < n else _bad_layer(i, n) for i in layers})
+        except TypeError:
+            raise InputError(f"sources['layers'] must be a list of block indices, got {sources['layers']!r}") from None
+        missing = [i for i in layers if i not in all_layers]
+        if missing:
+            raise InputError(f"blocks {missing} have no attention heads to split by source")
+    top = sources.get("top_heads")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
+        raise InputError(f"sources['top_heads'] must be a positive int, got {top!r}")
+    return list(layers), top
+
+
+def _bad_layer(i, n):
+    raise InputError(f"sources['layers'] has block {i}, outside this {n}-block model")
+
+
+def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attribution=None) -> Sources:
+    """The ``Sources`` spec: every head of ``layers``, or the ``top`` heads among them ranked by their largest
+    ``|part|`` over the prompts in ``head_attribution`` (an ``attribute(..., by="head")`` of the same prompts)."""
+    if top is None and layers == head_layers(plan):
+        return Sources(count)
+    if top is None:
+        return Sources(count, frozenset((i, h) for i in layers for p in plan.layers[i] if p.term.split == "heads"
+                                        for h in range(p.parts)))
+    ranked = []
+    wanted = set(layers)
+    for j, label in enumerate(head_attribution.labels):
+        layer, _, head = label.partition(".H")
+        if head.isdigit() and int(layer[1:]) in wanted:
+            ranked.append((float(head_attribution.values[:, j].abs().max()), int(layer[1:]), int(head)))
+    ranked.sort(reverse=True)
+    return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]))
+
+
+def offsets(batch) -> torch.Tensor:
+    """``[batch]`` long: where each prompt's own tokens start in the padded sequence."""
+    return batch.positions - torch.tensor(batch.own_positions, dtype=torch.long)

@@ -1,0 +1,311 @@
+"""``attribute(..., by="source")``: per-(head, source position) parts against a first-principles reference.
+
+The reference never runs dla_recipes' recipe: a plain transformers forward of each prompt alone, eager attention,
+with torch forward hooks capturing the last block's attention pattern ``A`` (the attention module's second
+output), its values (the value projection's or value norm's output), its post-norm's input and output, and the
+final norm's input and output. Each source's write ``A[h, p, s] * v[s, group(h)] @ W_O[:, h]^T`` (a ``d_model``
+vector) is carried through the post-norm and the final norm, each frozen at the stream it really read (the scale
+held: ``(y - b) / c(x)`` elementwise, ``c`` the centering of a LayerNorm), the block's multipliers, and read along
+``lm_head``'s target minus contrast rows. The attribution itself runs on the padded batch.
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import CONTRAST, PROMPTS, TARGET, tolerance
+from dla_recipes import DLAError, InputError
+from dla_recipes.plan import build_plan, module_at
+from dla_recipes.testing import tiny
+
+# Families whose attention cannot be split by source: Falcon (no eager attention to switch to), latent attention,
+# a mixture of attention, attention without an eager pattern, no heads at all, KV-shared layers (gemma4: its
+# other layers are split in test_kv_shared_layers_refused_but_others_split). Every other family must split.
+REFUSED = ["deepseek_v3", "recurrent_gemma", "falcon",
+           "falcon_new_arch", "zaya", "deepseek_v4", "zamba2", "jetmoe", "gemma4"]
+SUPPORTED = [family for family in tiny.FAMILIES if family not in REFUSED]
+_MODELS: dict = {}
+
+
+def eager_model(family: str):
+    """A tiny perturbed ``family`` model with eager attention (cached)."""
+    if family not in _MODELS:
+        _MODELS[family] = tiny.standardized(family, attn_implementation="eager")
+    return _MODELS[family]
+
+
+def _frozen_transpose(module, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``J^T d`` for the norm ``module`` frozen at input ``x`` (output ``y``): ``J r = g_s * c(r)``."""
+    centered = "LayerNorm" in type(module).__name__ and "RMS" not in type(module).__name__
+    bias = getattr(module, "bias", None)
+    y = y - (bias.float() if isinstance(bias, torch.Tensor) else 0.0)
+    c = (lambda t: t - t.mean(-1, keepdim=True)) if centered else (lambda t: t)
+    gain_scale = y / c(x)
+    return c(gain_scale * d)
+
+
+_FACTORS = {  # what multiplies the last block's attention write on its way to the final norm
+    "granite": lambda hf, layer: hf.config.residual_multiplier,
+    "doge": lambda hf, layer: layer.post_attention_residual.float(),
+    "gemma4_moe": lambda hf, layer: layer.layer_scalar.float(),
+}
+_FUSED = {  # the values inside a fused projection's output, as each model's attention slices them
+    "gpt2": lambda out, heads, head_dim: out.split(out.shape[-1] // 3, dim=-1)[2],
+    "phi3": lambda out, heads, head_dim: out[..., heads * head_dim + (out.shape[-1] - heads * head_dim) // 2:],
+    "gpt_neox": lambda out, heads, head_dim: out.view(*out.shape[:-1], heads, 3 * head_dim).chunk(3, dim=-1)[2],
+}
+_FUSED["gpt_neox_sequential"] = _FUSED["bloom"] = _FUSED["gpt_neox"]
+_LOGIT_SCALE = {"cohere": lambda c: c.logit_scale, "granite": lambda c: 1.0 / c.logits_scaling}
+
+
+@torch.no_grad()
+def reference_parts(model, family: str, prompt: str) -> torch.Tensor:
+    """``[heads, length]``: the last block's per-(head, source) parts of logit(TARGET) - logit(CONTRAST) at the
+    prompt's last token, from hooks on a plain forward of the prompt alone."""
+    hf, plan = model._module, build_plan(model)
+    i = len(plan.layers) - 1
+    layer_envoy = model.layers[i]
+    term = next(p.term for p in plan.layers[i] if p.term.split == "heads")
+    attention = module_at(layer_envoy, term.projection.rsplit(".", 1)[0])._module
+    values = module_at(layer_envoy, term.values.rsplit(".", 1)[0])._module
+    o_proj = module_at(layer_envoy, term.projection)._module
+    norms = {"final": model.ln_final._module}
+    if term.post_norm:
+        norms["post"] = module_at(layer_envoy, term.post_norm)._module
+    seen: dict = {}
+    hooks = [attention.register_forward_hook(lambda m, a, out: seen.__setitem__("A", out[1])),
+             values.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out))]
+    for name, norm in norms.items():
+        hooks.append(norm.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, (a[0], out))))
+    ids = model.tokenizer(prompt, return_tensors="pt")
+    try:
+        with torch.no_grad():
+            hf(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    p = ids["input_ids"].shape[1] - 1
+    A = seen["A"][0, :, p].float()  # [heads, keys]
+    heads, keys = A.shape
+    weight = o_proj.weight.float()
+    weight = weight.T if type(o_proj).__name__ == "Conv1D" else weight  # [d_model, heads * head_dim]
+    head_dim = weight.shape[1] // heads
+    v = seen["v"][0].float()
+    if family in _FUSED:
+        v = _FUSED[family](v, heads, head_dim)
+    v = v.reshape(keys, -1, head_dim)  # [keys, kv, head_dim]
+    v = v.repeat_interleave(heads // v.shape[1], dim=1)  # [keys, heads, head_dim]: query head h reads group h // n
+    w_o = weight.view(-1, heads, head_dim)  # [d_model, heads, head_dim]
+    writes = torch.einsum("hs,shd,Dhd->hsD", A, v, w_o)  # each source's write [heads, keys, d_model]
+    unembed = hf.get_output_embeddings().weight.float()
+    tok = model.tokenizer.convert_tokens_to_ids
+    d = (unembed[tok(TARGET)] - unembed[tok(CONTRAST)]) * _LOGIT_SCALE.get(family, lambda c: 1.0)(hf.config)
+    x, y = seen["final"]
+    d = _frozen_transpose(norms["final"], x[0, p].float(), y[0, p].float(), d)
+    d = d * _FACTORS.get(family, lambda hf, layer: 1.0)(hf, layer_envoy._module)
+    if "post" in norms:
+        x, y = seen["post"]
+        d = _frozen_transpose(norms["post"], x[0, p].float(), y[0, p].float(), d)
+    return writes @ d  # [heads, keys]
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_sources_match_first_principles(family):
+    model = eager_model(family)
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    assert attr.labels[1].endswith(".S0") and "L0.H0.S0" in attr.labels
+    assert (attr.total - attr.logit).abs().le(tolerance(attr.logit)).all()
+    summed = attr.heads()
+    assert summed.labels == heads.labels
+    assert (summed.values - heads.values).abs().max() <= 1e-5 * max(1.0, float(heads.values.abs().max()))
+    assert torch.allclose(attr.blocks().values, heads.blocks().values, atol=1e-5)
+    grid = attr.sources()  # [batch, layers, heads, sources]
+    last = grid.shape[1] - 1
+    lengths = [len(p.split()) for p in PROMPTS]
+    assert grid.shape[-1] == max(lengths)
+    for b, prompt in enumerate(PROMPTS):
+        ref = reference_parts(model, family, prompt)
+        assert ref.shape[-1] == lengths[b]
+        ours = grid[b, last]
+        error = float((ours[:, : lengths[b]] - ref).abs().max())
+        scale = max(1.0, float(ref.abs().max()))
+        assert error <= 1e-6 * scale, f"{family} prompt {b}: {error:.3g}"
+        assert bool((ours[:, lengths[b]:] == 0).all())  # sources this prompt does not have
+        assert float(ref.abs().max()) > 1e-4  # the reference is not trivially zero
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_refused_clearly(family):
+    model = eager_model(family)
+    with pytest.raises(DLAError, match="by='source'|attention heads|reuses another block"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+
+
+def test_kv_shared_layers_refused_but_others_split():
+    model = eager_model("gemma4")
+    with pytest.raises(DLAError, match="reuses another block's keys and values"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(layers=[0, 1]))
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    assert any(label.startswith("L1.H0.S") for label in attr.labels) and "L2.H0" in attr.labels
+    assert torch.allclose(attr.heads().values, heads.values, atol=1e-6)
+
+
+def test_sdpa_refused_with_the_fix():
+    model = tiny.standardized("llama")  # transformers' default: sdpa, which returns no pattern
+    with pytest.raises(DLAError, match="attn_implementation='eager'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source")
+
+
+def test_layers_and_top_heads():
+    model = eager_model("llama")
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    only = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(layers=[-1]))
+    last = len(build_plan(model).layers) - 1
+    split = {label.rsplit(".S", 1)[0] for label in only.labels if ".S" in label}
+    assert split == {f"L{last}.H{h}" for h in range(build_plan(model).num_heads)}
+    assert torch.allclose(only.heads().values, heads.values, atol=1e-6)
+    top = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(top_heads=2))
+    split = {label.rsplit(".S", 1)[0] for label in top.labels if ".S" in label}
+    ranked = heads.values.abs().max(0).values
+    order = [heads.labels[j] for j in torch.argsort(ranked, descending=True).tolist() if ".H" in heads.labels[j]]
+    assert split == set(order[:2])
+    assert torch.allclose(top.heads().values, heads.values, atol=1e-6)
+    assert len(top.labels) == len(heads.labels) + 2 * (max(len(p.split()) for p in PROMPTS) - 1)
+
+
+def test_bad_options():
+    model = eager_model("llama")
+    with pytest.raises(InputError, match="unknown keys"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(heads=3))
+    with pytest.raises(InputError, match="top_heads"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(top_heads=0))
+    with pytest.raises(InputError, match="outside"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(layers=[99]))
+    with pytest.raises(InputError, match="by='source'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="head", sources=dict(top_heads=2))
+
+
+def test_padded_batch_equals_each_prompt_alone():
+    model = eager_model("qwen2")
+    batch = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source").sources()
+    for b, prompt in enumerate(PROMPTS):
+        alone = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="source").sources()[0]
+        n = alone.shape[-1]
+        assert torch.allclose(batch[b, ..., :n], alone, atol=1e-6)
+        assert bool((batch[b, ..., n:] == 0).all())
+
+
+def test_earlier_position_has_zeros_after_it():
+    model = eager_model("llama")
+    attr = dla_recipes.attribute(model, PROMPTS[0], TARGET, position=2, by="source")
+    grid = attr.sources()
+    assert grid.shape[-1] == 3 and attr.positions == (2,)
+
+
+def test_remote_equals_local(tmp_path):
+    """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
+    import secrets
+
+    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from test_remote import single_threaded
+
+    folders = {}
+    for family in ("llama", "gemma2"):
+        folder = tmp_path / family
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        folders[family] = str(folder)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as server:
+        with server.client(), pytest.raises(DLAError, match="attn_implementation='eager'"):  # the default: sdpa
+            dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, by="source", remote=True)
+        for family in folders:
+            # nnsight sends the client model's attention implementation with the request; the server switches to it
+            remote_model = server.remote_model(family, attn_implementation="eager")
+            local_model = server.local_model(family, attn_implementation="eager")
+            with server.client():
+                remote = dla_recipes.attribute(remote_model, PROMPTS, TARGET, contrast=CONTRAST, by="source",
+                                               remote=True)
+            with single_threaded():
+                local = dla_recipes.attribute(local_model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+            assert remote.labels == local.labels and any(".S" in label for label in remote.labels)
+            assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+        options = dict(layers=[1], top_heads=2)  # the chosen heads travel with the request
+        with server.client():
+            remote = dla_recipes.attribute(server.remote_model("llama", attn_implementation="eager"), PROMPTS, TARGET,
+                                           contrast=CONTRAST, by="source", remote=True, sources=options)
+        with single_threaded():
+            local = dla_recipes.attribute(server.local_model("llama", attn_implementation="eager"), PROMPTS, TARGET,
+                                          contrast=CONTRAST, by="source", sources=options)
+        assert remote.labels == local.labels and sum(".S" in label for label in remote.labels) == 2 * 6
+        assert torch.equal(remote.values, local.values)
+
+
+def test_real_smollm2():
+    from dla_recipes import models
+
+    model = dla_recipes.load(models.default_model_path(), attn_implementation="eager", device_map="cpu")
+    prompt = "The Eiffel Tower is in the city of"
+    attr = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source")
+    heads = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="head")
+    assert torch.allclose(attr.heads().values, heads.values, atol=1e-5)
+    grid = attr.sources()[0]
+    ref = reference_parts_for(model, prompt, " Paris", " Rome")
+    assert float((grid[-1] - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+
+
+def reference_parts_for(model, prompt, target, contrast):
+    """``reference_parts`` for real tokens (SmolLM2 is a llama)."""
+    global TARGET, CONTRAST
+    saved = TARGET, CONTRAST
+    tok = model.tokenizer
+    TARGET, CONTRAST = tok.convert_ids_to_tokens(tok(target)["input_ids"])[0], tok.convert_ids_to_tokens(tok(contrast)["input_ids"])[0]
+    try:
+        return reference_parts(model, "llama", prompt)
+    finally:
+        TARGET, CONTRAST = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_low_precision(family, dtype):
+    """A bfloat16 / float16 model: the pattern and values the model computed in low precision, the parts in
+    float32; they sum to the model's own logit and to the by="head" parts within the dtype's tolerance."""
+    model = dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(), device_map="cpu",
+                             attn_implementation="eager")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    rtol = dla_recipes.api.TOLERANCE[dtype]
+    bound = rtol * torch.clamp(attr.logit.abs(), min=1.0)
+    assert ((attr.total - attr.logit).abs() <= bound).all()
+    assert float((attr.heads().values - heads.values).abs().max()) <= rtol * max(1.0, float(heads.values.abs().max()))
+    assert attr.diagnostics["norm_fit_error"] < rtol  # the pattern rebuilds the heads the model computed
+
+
+def test_cli_by_source(tmp_path, capsys):
+    """``python -m dla_recipes ... --by source`` loads the model with eager attention and prints head-source parts."""
+    from dla_recipes.__main__ import main
+
+    folder = tmp_path / "tiny-llama"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    assert main(["w1 w2 w3", "--target", "w9", "--model", str(folder), "--by", "source", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "by: source" in out and ".S2 " in out
+
+
+def test_sources_heatmap():
+    from dla_recipes import plots
+
+    attr = dla_recipes.attribute(eager_model("llama"), PROMPTS, TARGET, contrast=CONTRAST, by="source")
+    tokens = PROMPTS[0].split()
+    rows, matrix = plots.source_matrix(attr, 0, k=3)
+    grid = attr.sources()[0]
+    assert len(rows) == 3 and matrix.shape == (3, len(tokens))
+    layer, head = (int(x) for x in rows[0][1:].split(".H"))
+    assert torch.equal(matrix[0], grid[layer, head])
+    assert float(grid[layer, head].abs().sum()) == float(torch.nan_to_num(grid.abs()).sum(-1).max())
+    fig = plots.sources_heatmap(attr, tokens, k=3)
+    assert list(fig.data[0].y) == rows and fig.data[0].x[0] == "0: 'w5'"
+    assert plots.sources_heatmap(attr, tokens, prompt=None, k=3).data[0].z is not None
