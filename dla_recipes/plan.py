@@ -149,7 +149,8 @@ def _has_path(layer, path: str) -> bool:
 def layer_terms(family: Family, layer) -> tuple[Term, ...]:
     """The terms of the first layer kind of ``family`` whose ``when`` path exists on this block (an envoy)."""
     for kind in family.kinds:
-        if kind.when is None or _has_path(layer, kind.when):
+        when = (kind.when,) if isinstance(kind.when, str) else kind.when or ()
+        if all(_has_path(layer, path) for path in when):
             return kind.terms
     raise FamilyTableError(
         f"family {family.name!r}: block {type(layer._module).__name__} matches none of its layer kinds "
