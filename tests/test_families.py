@@ -45,3 +45,30 @@ def test_padding_unsafe_family_warns_on_a_padded_batch(family):
     model = tiny_model(family)
     with pytest.warns(UserWarning, match="left padding changes this family's outputs"):
         dla_recipes.attribute(model, PROMPTS, TARGET)
+
+
+def _padded_last_logits(model, prompts) -> torch.Tensor:
+    """``[batch, vocab]``: a plain transformers forward of the left-padded batch, fed exactly what an nnsight trace
+    feeds the model (its mask-derived ``position_ids`` included), at each prompt's last token."""
+    from nnsight.modeling.processing import supply_position_ids
+
+    encoding = dict(model.tokenizer(prompts, return_tensors="pt", padding=True))
+    supply_position_ids(model, encoding)
+    with torch.no_grad():
+        return model._module(**encoding).logits[:, -1].float()
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_padding_safety_is_measured(family):
+    """A family declared padding-safe must be: its padded batch's logits are each prompt's own (a plain forward of
+    the prompt alone). Declared unsafe is always allowed (attribute then never pads its prompts)."""
+    model = tiny_model(family)
+    entry = dla_recipes.family_of(model)
+    padded = _padded_last_logits(model, PROMPTS)
+    alone = torch.stack([plain_logits(model, prompt)[-1] for prompt in PROMPTS])
+    moved = ((padded - alone).abs() / alone.abs().clamp(min=1.0)).max()
+    if entry.padding_safe:
+        assert float(moved) <= 1e-4, (
+            f"{family}: declared padding_safe, but left padding moves its logits by {float(moved):.3g} (relative); "
+            "set padding_safe=False on its entry in dla_recipes/families.py"
+        )

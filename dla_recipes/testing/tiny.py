@@ -558,7 +558,7 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "ernie4_5": ("Ernie4_5ForCausalLM", {}),
     "exaone": ("LlamaForCausalLM", {}),
     "glm": ("GlmForCausalLM", dict(head_dim=16)),
-    "helium": ("HeliumForCausalLM", {}),
+    "helium": ("HeliumForCausalLM", dict(head_dim=16)),
     "hunyuan_v1_dense": ("HunYuanDenseV1ForCausalLM", dict(head_dim=16)),
     "internlm3": ("LlamaForCausalLM", {}),
     "iquestcoder": ("LlamaForCausalLM", {}),
@@ -581,7 +581,9 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "xglm": ("XGLMForCausalLM", dict(ffn_dim=INTER, scale_embedding=True, dropout=0.0)),
     "biogpt": ("BioGptForCausalLM", dict(scale_embedding=True, hidden_dropout_prob=0.0)),
     "cohere2": ("Cohere2ForCausalLM", dict(sliding_window=4, layer_types=_SW, logit_scale=0.3)),
-    "cohere_compass_text": ("CohereCompassForCausalLM", dict(logit_scale=0.3)),
+    "cohere_compass_text": ("CohereCompassForCausalLM", dict(logit_scale=0.3, layer_types=["full_attention"] * LAYERS,
+                                                              rope_parameters={"full_attention": {
+                                                                  "rope_type": "default", "rope_theta": 10000.0}})),
     "vaultgemma": ("VaultGemmaForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                                  layer_types=_SW, final_logit_softcapping=SOFTCAP,
                                                  attn_logit_softcapping=3.0)),
@@ -687,8 +689,8 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", dict(layer_types=_LINEAR, linear_num_key_heads=2,
                                                   linear_num_value_heads=4, linear_key_head_dim=8,
                                                   linear_value_head_dim=8)),
-    "xlstm": ("xLSTMForCausalLM", dict(embedding_dim=HIDDEN, num_blocks=LAYERS, num_heads=HEADS, qk_dim_factor=0.5,
-                                       v_dim_factor=1.0, chunk_size=4, mode="inference")),
+    "xlstm": ("xLSTMForCausalLM", dict(embedding_dim=HIDDEN, num_blocks=LAYERS, num_heads=HEADS, qk_dim_factor=1.0, chunk_size=4,
+                                       mode="inference", output_logit_soft_cap=SOFTCAP)),
 }
 
 
