@@ -17,7 +17,10 @@ with native names below that. An entry may hold several layer kinds (hybrids); t
 exists on a block is that block's kind.
 
 Adding a family: one ``Family`` entry in ``FAMILIES`` and one tiny model in ``dla_recipes.testing.tiny``; the
-test suite then checks it for exactness against the model's own logits at every granularity.
+test suite then checks it for exactness against the model's own logits at every granularity, and checks that a
+family declared ``padding_safe`` really is (its padded batch's logits against each prompt alone). A model type that
+no entry can describe exactly yet goes in ``REFUSED`` with the reason, which ``family_of`` raises. The docs page
+"Family table" is generated from this module (``notebooks/families_table.py``).
 """
 
 from __future__ import annotations
@@ -426,7 +429,7 @@ FAMILIES: tuple[Family, ...] = (
     # Mixtures of experts: a routed experts module, optionally a shared expert beside it, the first blocks dense.
     Family("moe", (
         "qwen3_moe", "phimoe", "minimax_m2", "mellum", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "sarvam_mla", "sarvam_moe", "hy_v3",
-        "dots3_note_text", "mimo_v2_flash",
+        "mimo_v2_flash",
     ), _moe_kinds(), notes="routed experts (fused module), an ungated shared expert where the block has one, dense "
                            "first blocks."),
     Family("moe_shared_first", ("ernie4_5_moe", "hunyuan_v1_moe"), _moe_kinds(shared_first=True),

@@ -5,7 +5,8 @@ The pages of the site are the notebooks in notebooks/, rendered by mkdocs-jupyte
 made from other notebook or package sources is a warning, so ``mkdocs build --strict`` fails rather than publish
 numbers the current code did not produce. ``DLA_DOCS_NOTEBOOKS`` points at another folder of executed copies.
 
-plotly.min.js is served from the installed plotly package (no CDN: the site works offline).
+plotly.min.js is served from the installed plotly package (no CDN: the site works offline). The family table page
+(``family-table.md``) is generated from ``dla_recipes/families.py`` by ``notebooks/families_table.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.dla_recipes")
 PLOTLY_JS = "assets/javascripts/plotly.min.js"
+
+
+def _families_table():
+    """notebooks/families_table.py, as a module."""
+    here = Path(__file__).resolve().parent / "families_table.py"
+    spec = importlib.util.spec_from_file_location("dla_docs_families_table", here)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _runner():
@@ -54,6 +64,7 @@ def on_files(files: Files, config) -> Files:
             )
         files.append(File(source.name, src_dir=str(out_dir), dest_dir=config["site_dir"],
                           use_directory_urls=config["use_directory_urls"]))
+    files.append(File.generated(config, "family-table.md", content=_families_table().render()))
     try:
         import plotly
     except ImportError as error:

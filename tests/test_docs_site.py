@@ -36,8 +36,8 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
     "--hide-scrollbars",
 )
-PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "remote/", "attribute-direction/",
-         "api/"]
+PAGES = ["", "quickstart/", "how-it-works/", "heads-and-neurons/", "families/", "family-table/", "remote/",
+         "attribute-direction/", "api/"]
 
 needs_browser = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,

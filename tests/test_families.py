@@ -5,12 +5,18 @@ from its init, a padded batch of three prompts of different lengths, a contrast 
 own output: the logit the parts sum to is checked against a plain transformers forward of each prompt alone.
 """
 
+import importlib.util
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes.testing import tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _softcap(z, cap):
@@ -72,3 +78,23 @@ def test_padding_safety_is_measured(family):
             f"{family}: declared padding_safe, but left padding moves its logits by {float(moved):.3g} (relative); "
             "set padding_safe=False on its entry in dla_recipes/families.py"
         )
+
+
+def test_readme_counts_the_model_types():
+    """README's "N model types" is the family table's count (the generated families page computes the same)."""
+    spec = importlib.util.spec_from_file_location("dla_families_table", ROOT / "notebooks" / "families_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    quoted = {int(n) for n in re.findall(r"(\d+) model types", (ROOT / "README.md").read_text(encoding="utf-8"))}
+    assert quoted == {table.count()}, f"README quotes {sorted(quoted)} model types; the table has {table.count()}"
+    page = table.render()
+    for model_type, reason in dla_recipes.families.REFUSED.items():
+        assert f"`{model_type}`" in page and reason in page
+
+
+def test_refused_model_type_names_its_reason():
+    from types import SimpleNamespace
+
+    for model_type, reason in dla_recipes.families.REFUSED.items():
+        with pytest.raises(dla_recipes.UnknownFamilyError, match=re.escape(reason[:40])):
+            dla_recipes.family_of(SimpleNamespace(model_type=model_type))

@@ -627,8 +627,6 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "axk2": ("AXK2ForCausalLM", dict(_MOE, num_key_value_heads=HEADS, q_lora_rank=32, kv_lora_rank=16,
                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, index_n_heads=2,
                                      index_head_dim=16, index_topk=2, mlp_layer_types=_DENSE_SPARSE)),
-    "dots3_note_text": ("Dots3NoteForCausalLM", dict(_MOE, num_key_value_heads=HEADS, head_dim=16,
-                                                     mlp_layer_types=_DENSE_SPARSE)),
     "mimo_v2_flash": ("MiMoV2FlashForCausalLM", dict(_MOE, head_dim=16, sliding_window=4, layer_types=_SW,
                                                      mlp_layer_types=_DENSE_SPARSE)),
     "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", dict(_MOE, head_dim=16)),
