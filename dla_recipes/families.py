@@ -193,7 +193,8 @@ def _moe_kinds(shared_first: bool = False, attention: Term = ATTENTION, post_nor
         return Term("mlp", "mlp.output", "experts", "mlp.experts", shared=shared and f"{shared}.down_proj",
                     shared_first=shared_first, post_norm=post_norm, reads=mlp_reads)
     mlps = [(routed(f"mlp.{name}"), (f"mlp.{name}",)) for name in ("shared_experts", "shared_expert", "shared_mlp")]
-    mlps += [(routed(None), ("mlp.experts",)), (Term("mlp", "mlp.output", "neurons", f"mlp.{down}", reads=mlp_reads), ())]
+    dense = Term("mlp", "mlp.output", "neurons", f"mlp.{down}", reads=mlp_reads)
+    mlps += [(routed(None), ("mlp.experts",)), (dense, ())]
     mixers = [(mixer[0], (mixer[1],)), (attention, ())] if mixer else [(attention, ())]
     return tuple(LayerKind((m, mlp), when=m_when + mlp_when or None) for m, m_when in mixers for mlp, mlp_when in mlps)
 
@@ -428,8 +429,8 @@ FAMILIES: tuple[Family, ...] = (
         notes="sinusoidal positions; embeddings scaled by sqrt(d_model); MLP is a Sequential (mlp.2 = down)."),
     # Mixtures of experts: a routed experts module, optionally a shared expert beside it, the first blocks dense.
     Family("moe", (
-        "qwen3_moe", "phimoe", "minimax_m2", "mellum", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "sarvam_mla", "sarvam_moe", "hy_v3",
-        "mimo_v2_flash",
+        "qwen3_moe", "phimoe", "minimax_m2", "mellum", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1",
+        "exaone_moe", "solar_open", "sarvam_mla", "sarvam_moe", "hy_v3", "mimo_v2_flash",
     ), _moe_kinds(), notes="routed experts (fused module), an ungated shared expert where the block has one, dense "
                            "first blocks."),
     Family("moe_shared_first", ("ernie4_5_moe", "hunyuan_v1_moe"), _moe_kinds(shared_first=True),
@@ -446,7 +447,8 @@ FAMILIES: tuple[Family, ...] = (
            notes="Kimi delta attention (block level) beside MLA attention; routed + shared experts. Recurrent state: "
                  "declared padding-unsafe."),
     Family("flex_olmo", ("flex_olmo",), (LayerKind((
-        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm"),
+        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
+             post_norm="post_attention_layernorm"),
         Term("mlp", "post_feedforward_layernorm.output", "experts", "mlp.experts",
              post_norm="post_feedforward_layernorm"),
     )),), notes="OLMo-2 post-norms around attention and routed experts."),
@@ -495,12 +497,14 @@ FAMILIES: tuple[Family, ...] = (
            notes="Mamba-2 mixers beside attention; routed experts and a shared MLP; Granite multipliers; recurrent "
                  "state: declared padding-unsafe."),
     # State-space and recurrent mixers (the mixer is one block-level term: its state mixes every position).
-    Family("mamba", ("mamba", "mamba2", "falcon_mamba"), (LayerKind((Term("mixer", "self_attn.output", reads="norm"),)),),
+    Family("mamba", ("mamba", "mamba2", "falcon_mamba"),
+           (LayerKind((Term("mixer", "self_attn.output", reads="norm"),)),),
            rename={"attn_name": "mixer", "ignore_mlp": True, "model_name": "backbone"},
            load_kwargs={"check_renaming": False}, padding_safe=False,
            notes="one Mamba mixer per block; recurrent state: declared padding-unsafe."),
     Family("nemotron_h", ("nemotron_h",), (
-        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="norm"),), when="self_attn.o_proj"),
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="norm"),),
+                  when="self_attn.o_proj"),
         LayerKind((Term("mlp", "self_attn.output", reads="norm"),), when="self_attn.experts"),
         LayerKind((Term("mlp", "self_attn.output", "neurons", "self_attn.down_proj", reads="norm"),),
                   when="self_attn.down_proj"),

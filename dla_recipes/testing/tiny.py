@@ -651,7 +651,7 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "flint": ("FlintForCausalLM", dict(_MOE, head_dim=16, sliding_window=4, layer_types=_SW)),
     "kimi_linear": ("KimiLinearForCausalLM", dict(_MOE, num_key_value_heads=HEADS, q_lora_rank=32, kv_lora_rank=16,
                                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-                                                  layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                                  layer_types=_LINEAR,
                                                   mlp_layer_types=_DENSE_SPARSE, linear_head_dim=16,
                                                   linear_num_heads=2)),
     "bailing_hybrid": ("BailingHybridForCausalLM", dict(_MOE, num_key_value_heads=HEADS, q_lora_rank=32,
@@ -661,7 +661,8 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "granitemoe": ("GraniteMoeForCausalLM", dict(_MOE, **_GRANITE)),
     "granitemoe_swa": ("GraniteMoeSWAForCausalLM", dict(_MOE, **_GRANITE, sliding_window=4, layer_types=_SW)),
     "granitemoeshared": ("GraniteMoeSharedForCausalLM", dict(_MOE, **_GRANITE)),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", dict(_MOE, **_GRANITE, layer_types=["mamba", "attention", "mamba"],
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", dict(_MOE, **_GRANITE,
+                                                          layer_types=["mamba", "attention", "mamba"],
                                                           mamba_d_state=8, mamba_n_heads=4, mamba_d_head=32,
                                                           mamba_chunk_size=4)),
     # state-space and recurrent mixers
@@ -669,7 +670,8 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "mamba2": ("Mamba2ForCausalLM", dict(state_size=8, expand=2, conv_kernel=4, num_heads=8, head_dim=16, n_groups=1,
                                          chunk_size=4)),
     "falcon_mamba": ("FalconMambaForCausalLM", dict(state_size=8, expand=2, conv_kernel=4)),
-    "nemotron_h": ("NemotronHForCausalLM", dict(_MOE, head_dim=16, layers_block_type=["mamba", "attention", "moe", "mlp"],
+    "nemotron_h": ("NemotronHForCausalLM", dict(_MOE, head_dim=16,
+                                                layers_block_type=["mamba", "attention", "moe", "mlp"],
                                                 num_hidden_layers=4, mamba_num_heads=8, mamba_head_dim=16,
                                                 ssm_state_size=8, n_groups=1, chunk_size=4,
                                                 moe_shared_expert_intermediate_size=32)),
@@ -687,7 +689,8 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", dict(layer_types=_LINEAR, linear_num_key_heads=2,
                                                   linear_num_value_heads=4, linear_key_head_dim=8,
                                                   linear_value_head_dim=8)),
-    "xlstm": ("xLSTMForCausalLM", dict(embedding_dim=HIDDEN, num_blocks=LAYERS, num_heads=HEADS, qk_dim_factor=1.0, chunk_size=4,
+    "xlstm": ("xLSTMForCausalLM", dict(embedding_dim=HIDDEN, num_blocks=LAYERS, num_heads=HEADS, qk_dim_factor=1.0,
+                                       chunk_size=4,
                                        mode="inference", output_logit_soft_cap=SOFTCAP)),
 }
 
