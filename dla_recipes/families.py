@@ -427,6 +427,14 @@ FAMILIES: tuple[Family, ...] = (
     )),), rename={"attn_name": "multi_head_attention", "ln_final_name": "layernorm"},
         load_kwargs={"check_renaming": False},
         notes="sinusoidal positions; embeddings scaled by sqrt(d_model); MLP is a Sequential (mlp.2 = down)."),
+    Family("gpt_neox_japanese", ("gpt_neox_japanese",), tuple(
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.dense", bias=bias, reads="input_layernorm"),
+                   Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm")),
+                  when=bias)
+        for bias in ("self_attn.dense_bias", None)
+    ), rename={"model_name": "gpt_neox_japanese"},
+        notes="the attention returns its output projection's bias (last block only) for the block to add: the term "
+             "is the attention output plus that bias."),
     # Mixtures of experts: a routed experts module, optionally a shared expert beside it, the first blocks dense.
     Family("moe", (
         "qwen3_moe", "phimoe", "minimax_m2", "mellum", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1",
@@ -571,8 +579,6 @@ REFUSED: dict[str, str] = {
               "before adding the shared expert; the expert split has no term for that factor yet",
     "dots3_note_text": "its config gives the number of attention heads per layer (per_layer_config), which the "
                        "head split does not read yet",
-    "gpt_neox_japanese": "its attention returns the output projection's bias separately and the block adds it "
-                         "with the residual; no term reads that bias yet",
     "longcat_flash": "each block holds two attention sublayers, two MLPs and a shortcut MoE (ModuleLists under "
                      "self_attn / mlps); no entry describes that block yet",
 }

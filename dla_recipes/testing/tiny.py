@@ -596,6 +596,8 @@ _SHAPED: dict[str, tuple[str, dict]] = {
                                    max_seq_len=MAX_POS, logit_scale=0.3)),
     "ctrl": ("CTRLLMHeadModel", dict(n_embd=HIDDEN, dff=INTER, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POS,
                                      resid_pdrop=0.0, embd_pdrop=0.0)),
+    "gpt_neox_japanese": ("GPTNeoXJapaneseForCausalLM", dict(intermediate_multiple_size=2, rotary_pct=0.5,
+                                                             hidden_dropout=0.0, attention_dropout=0.0)),
     # mixtures of experts
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_MOE, head_dim=16)),
     "phimoe": ("PhimoeForCausalLM", dict(_MOE)),
