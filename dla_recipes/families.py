@@ -204,7 +204,7 @@ def _granite_moe_kinds() -> tuple[LayerKind, ...]:
     ``residual_multiplier``."""
     mult = "residual_multiplier"
     experts = Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier=mult, reads="post_attention_layernorm")
-    shared = Term("shared", "shared_mlp.output", "neurons", "shared_mlp.output_linear", multiplier=mult,
+    shared = Term("shared_mlp", "shared_mlp.output", "neurons", "shared_mlp.output_linear", multiplier=mult,
                   reads="post_attention_layernorm")
     mixers = (
         (Term("mixer", "mamba.output", multiplier=mult, reads="input_layernorm"), "mamba"),
@@ -393,7 +393,8 @@ FAMILIES: tuple[Family, ...] = (
            notes="squared-ReLU MLP, qk LayerNorm; nnterp needs the final norm's name."),
     Family("codegen", ("codegen",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block (GPT-J layout); lm_head has a bias."),
-    Family("xglm", ("xglm",), (OPT_LIKE,), rename={"ln_final_name": "layer_norm", "ignore_mlp": True},
+    Family("xglm", ("xglm",), (OPT_LIKE,),
+           rename={"ln_final_name": "layer_norm", "ignore_mlp": True, "attn_head_config_key": "attention_heads"},
            notes="OPT layout: fc1/fc2 sit on the block; embeddings scaled by sqrt(d_model), sinusoidal positions."),
     Family("biogpt", ("biogpt",), (OPT_LIKE,),
            rename={"model_name": "biogpt", "layers_name": "biogpt.layers", "ln_final_name": "biogpt.layer_norm",
@@ -579,8 +580,9 @@ REFUSED: dict[str, str] = {
               "before adding the shared expert; the expert split has no term for that factor yet",
     "dots3_note_text": "its config gives the number of attention heads per layer (per_layer_config), which the "
                        "head split does not read yet",
-    "longcat_flash": "each block holds two attention sublayers, two MLPs and a shortcut MoE (ModuleLists under "
-                     "self_attn / mlps); no entry describes that block yet",
+    "longcat_flash": "each block holds two attention sublayers and two MLPs (ModuleLists) plus a shortcut MoE "
+                     "added at the block's end, whose zero-computation (identity) experts add their input; no term "
+                     "kind reads ModuleList sublayers or identity experts yet",
 }
 
 
