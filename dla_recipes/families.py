@@ -227,6 +227,22 @@ def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
 
 
+_QWEN_NEXT_KINDS = tuple(
+    LayerKind((mixer, mlp), when=(has, when))
+    for mixer, has in ((Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
+                       (ATTENTION, "self_attn.o_proj"))
+    for mlp, when in (
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"),
+         "mlp.shared_expert_gate"),
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              reads="post_attention_layernorm"), "mlp.shared_expert"),
+        (ROUTED, "mlp.experts"),
+        (DENSE_MLP, "mlp.down_proj"),
+    )
+)  # Qwen3-Next blocks: a mixer (gated DeltaNet, or attention) x an MLP kind
+
+
 # --- the table ---------------------------------------------------------------------------------------------------
 
 FAMILIES: tuple[Family, ...] = (
@@ -480,22 +496,14 @@ FAMILIES: tuple[Family, ...] = (
         ), when="mlp.experts"),
         _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm")[0],
     ), notes="sandwich norms; routed + shared experts."),
-    Family("qwen3_next", ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini", "flint"), tuple(
-        LayerKind((mixer, mlp), when=(has, when))
-        for mixer, has in ((Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
-                           (ATTENTION, "self_attn.o_proj"))
-        for mlp, when in (
-            (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
-                  shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"),
-             "mlp.shared_expert_gate"),
-            (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
-                  reads="post_attention_layernorm"), "mlp.shared_expert"),
-            (ROUTED, "mlp.experts"),
-            (DENSE_MLP, "mlp.down_proj"),
-        )
-    ), rename={"attn_name": "linear_attn"},
-        notes="gated-DeltaNet linear attention (block-level: its heads are not the attention heads) beside full "
-              "attention; dense MLP or routed experts with a (sigmoid-gated) shared expert."),
+    Family("qwen3_next", ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"), _QWEN_NEXT_KINDS,
+           rename={"attn_name": "linear_attn"}, padding_safe=False,
+           notes="gated-DeltaNet linear attention (block-level: its heads are not the attention heads) beside full "
+                 "attention; dense MLP or routed experts with a (sigmoid-gated) shared expert. Recurrent and "
+                 "convolution state: declared padding-unsafe (the tiny model's CPU path masks the pads)."),
+    Family("flint", ("flint",), _QWEN_NEXT_KINDS, rename={"attn_name": "linear_attn"},
+           notes="Qwen3-Next blocks with sliding-window and full attention only; routed experts with a sigmoid-gated "
+                 "shared expert."),
     # Granite mixtures of experts: every write times residual_multiplier, logits over logits_scaling.
     Family("granitemoe", ("granitemoe", "granitemoe_swa", "granitemoeshared"), _granite_moe_kinds(),
            logits_over="logits_scaling",
