@@ -27,13 +27,16 @@ stores them (fused or separate gate/up, ``[out, in]`` or ``[in, out]``, biases, 
 router-scaled inputs, scaled routed and shared parts).
 
 Adding a family: one ``Family`` entry in ``FAMILIES`` and one tiny model in ``dla_recipes.testing.tiny``; the
-test suite then checks it for exactness against the model's own logits at every granularity.
+test suite then checks it for exactness against the model's own logits at every granularity, and checks that a
+family declared ``padding_safe`` really is (its padded batch's logits against each prompt alone). A model type that
+no entry can describe exactly yet goes in ``REFUSED`` with the reason, which ``family_of`` raises. The docs page
+"Family table" is generated from this module (``notebooks/families_table.py``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
 import torch
@@ -205,10 +208,11 @@ class Term:
 
 @dataclass(frozen=True)
 class LayerKind:
-    """The terms of one kind of block; ``when`` is a path that exists only on blocks of this kind (None: any)."""
+    """The terms of one kind of block; ``when`` is a path (or several, all required) that exists only on blocks of
+    this kind (None: any)."""
 
     terms: tuple[Term, ...]
-    when: str | None = None
+    when: str | tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -283,8 +287,48 @@ DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_at
 ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
 SANDWICH = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
                        reads=("input_layernorm", "pre_feedforward_layernorm"))  # Gemma 2 / 3: norms around both
+OPT_LIKE = LayerKind((  # OPT, XGLM, BioGPT: fc1 / fc2 sit on the block
+    Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
+    Term("mlp", "fc2.output", "neurons", "fc2", reads="final_layer_norm"),
+))
 POST_NORM_ONLY = _sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
                              reads=(None, None))  # OLMo 2 / 3, EXAONE-4: the sublayers read the raw stream
+
+
+def _moe_kinds(shared_first: bool = False, attention: Term = ATTENTION, post_norm: str | None = None,
+               mixer: tuple[Term, str] | None = None, mlp_reads: str = "post_attention_layernorm",
+               down: str = "down_proj") -> tuple[LayerKind, ...]:
+    """Attention, then routed experts with a shared expert (``shared_experts``, ``shared_expert`` or
+    ``shared_mlp``), routed experts alone, or a dense MLP: whichever the block has. ``post_norm``: a norm inside the
+    MoE module after the sum (A.X-K1). ``mixer``: a second kind of token mixer and the path that marks its blocks."""
+    def routed(shared):
+        return Term("mlp", "mlp.output", "experts", "mlp.experts", shared=shared and f"{shared}.down_proj",
+                    shared_first=shared_first, post_norm=post_norm, reads=mlp_reads)
+    mlps = [(routed(f"mlp.{name}"), (f"mlp.{name}",)) for name in ("shared_experts", "shared_expert", "shared_mlp")]
+    dense = Term("mlp", "mlp.output", "neurons", f"mlp.{down}", reads=mlp_reads)
+    mlps += [(routed(None), ("mlp.experts",)), (dense, ())]
+    mixers = [(mixer[0], (mixer[1],)), (attention, ())] if mixer else [(attention, ())]
+    return tuple(LayerKind((m, mlp), when=m_when + mlp_when or None) for m, m_when in mixers for mlp, mlp_when in mlps)
+
+
+def _granite_moe_kinds() -> tuple[LayerKind, ...]:
+    """Granite MoE blocks: attention or a Mamba mixer, then routed experts and / or a shared MLP, every write times
+    ``residual_multiplier``."""
+    mult = "residual_multiplier"
+    experts = Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier=mult, reads="post_attention_layernorm")
+    shared = Term("shared_mlp", "shared_mlp.output", "neurons", "shared_mlp.output_linear", multiplier=mult,
+                  reads="post_attention_layernorm")
+    mixers = (
+        (Term("mixer", "mamba.output", multiplier=mult, reads="input_layernorm"), "mamba"),
+        (Term("attn", "self_attn.output", "heads", "self_attn.o_proj", multiplier=mult, reads="input_layernorm"),
+         "self_attn"),
+    )
+    mlps = (
+        ((experts, replace(shared, parallel=True)), ("mlp.experts", "shared_mlp")),
+        ((experts,), ("mlp.experts",)),
+        ((shared,), ("shared_mlp",)),
+    )
+    return tuple(LayerKind((mixer, *terms), when=(has, *when)) for mixer, has in mixers for terms, when in mlps)
 
 
 def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
@@ -339,6 +383,22 @@ INKLING_ATTENTION = Term("attn", "attn_sconv.output", "heads", "self_attn.o_proj
                          reads="input_layernorm")
 RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
                         output_gate="feed_forward.receptance", reads="ln2")
+
+
+_QWEN_NEXT_KINDS = tuple(
+    LayerKind((mixer, mlp), when=(has, when))
+    for mixer, has in ((Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
+                       (ATTENTION, "self_attn.o_proj"))
+    for mlp, when in (
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"),
+         "mlp.shared_expert_gate"),
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              reads="post_attention_layernorm"), "mlp.shared_expert"),
+        (ROUTED, "mlp.experts"),
+        (DENSE_MLP, "mlp.down_proj"),
+    )
+)  # Qwen3-Next blocks: a mixer (gated DeltaNet, or attention) x an MLP kind
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -614,12 +674,203 @@ FAMILIES: tuple[Family, ...] = (
              values="self_attn.v_proj.output"),
         Term("mlp", "fc2.output", "neurons", "fc2", flat=True, reads="final_layer_norm"),
     )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
+    # --- Families described by the shapes above (issue 12) -------------------------------------------------------
+    Family("llama_like", (
+        "arcee", "bitnet", "cwm", "diffllama", "ernie4_5", "exaone", "glm", "helium", "hunyuan_v1_dense", "internlm3",
+        "iquestcoder", "jais2", "ministral", "ministral3", "nemotron", "seed_oss", "stablelm", "youtu",
+    ), LLAMA_LIKE, notes="pre-norm attention then MLP, each module's output added (norms, MLP activations, "
+                         "attention variants such as MLA, differential or sliding-window attention differ)."),
+    Family("gpt_bigcode", ("gpt_bigcode",), _sequential("c_proj", "c_proj", reads=("ln_1", "ln_2")),
+           notes="multi-query attention; learned positions in embed."),
+    Family("gpt_neo", ("gpt_neo",), _sequential("attention.out_proj", "c_proj", reads=("ln_1", "ln_2")),
+           notes="local and global attention layers; learned positions in embed."),
+    Family("starcoder2", ("starcoder2",), _sequential("o_proj", "c_proj"), notes="LayerNorm with biases."),
+    Family("persimmon", ("persimmon",), _sequential("dense", "dense_4h_to_h"), rename={"ln_final_name": "final_layernorm"},
+           notes="squared-ReLU MLP, qk LayerNorm; nnterp needs the final norm's name."),
+    Family("codegen", ("codegen",), _sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
+           notes="parallel block (GPT-J layout); lm_head has a bias."),
+    Family("xglm", ("xglm",), (OPT_LIKE,),
+           rename={"ln_final_name": "layer_norm", "ignore_mlp": True, "attn_head_config_key": "attention_heads"},
+           notes="OPT layout: fc1/fc2 sit on the block; embeddings scaled by sqrt(d_model), sinusoidal positions."),
+    Family("biogpt", ("biogpt",), (OPT_LIKE,),
+           rename={"model_name": "biogpt", "layers_name": "biogpt.layers", "ln_final_name": "biogpt.layer_norm",
+                   "lm_head_name": "output_projection", "ignore_mlp": True},
+           notes="OPT layout: fc1/fc2 sit on the block; embeddings scaled by sqrt(d_model), learned positions."),
+    Family("cohere2", ("cohere2", "cohere_compass_text"),
+           _sequential(reads=("input_layernorm", "input_layernorm"), parallel=True), logits_times="logit_scale",
+           notes="parallel block; sliding-window and global layers; logits times logit_scale."),
+    Family("vaultgemma", ("vaultgemma",), _sequential(reads=("input_layernorm", "pre_feedforward_layernorm")),
+           softcap="final_logit_softcapping", notes="Gemma without post-norms; final logits soft-capped."),
+    Family("apertus1p5", ("apertus1p5_text",), _sequential(reads=("attention_layernorm", "feedforward_layernorm")),
+           notes="xIELU MLP without a gate."),
+    Family("granite_swa", ("granite_swa",), _sequential(multiplier="residual_multiplier"),
+           logits_over="logits_scaling", notes="Granite with sliding-window layers."),
+    Family("hyperclovax", ("hyperclovax",), (
+        LayerKind(_sequential(attn_post="post_norm1", mlp_post="post_norm2", multiplier="residual_multiplier")[0].terms,
+                  when="post_norm1.weight"),
+        _sequential(multiplier="residual_multiplier")[0],
+    ), logits_times="logits_scaling",
+        notes="optional post-norms (use_post_norm); writes times residual_multiplier; logits *times* logits_scaling."),
+    Family("gemma4_unified", ("gemma4_unified_text",), SANDWICH, layer_scale="layer_scalar",
+           softcap="final_logit_softcapping", logits_to_keep=False,
+           notes="sandwich norms; the whole stream times layer_scalar after each block; KV-shared layers."),
+    Family("mpt", ("mpt",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="norm_1"),
+        Term("mlp", "mlp.down_proj.output", "neurons", "mlp.down_proj", reads="norm_2"),
+    )),), notes="ALiBi; the MLP adds the residual inside: the term is down_proj's output."),
+    Family("ctrl", ("ctrl",), (LayerKind((
+        Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="layernorm1"),
+        Term("mlp", "mlp.output", "neurons", "mlp.2", reads="layernorm2"),
+    )),), rename={"attn_name": "multi_head_attention", "ln_final_name": "layernorm"},
+        load_kwargs={"check_renaming": False},
+        notes="sinusoidal positions; embeddings scaled by sqrt(d_model); MLP is a Sequential (mlp.2 = down)."),
+    Family("gpt_neox_japanese", ("gpt_neox_japanese",), tuple(
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.dense", bias=bias, reads="input_layernorm"),
+                   Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm")),
+                  when=bias)
+        for bias in ("self_attn.dense_bias", None)
+    ), rename={"model_name": "gpt_neox_japanese"},
+        notes="the attention returns its output projection's bias (last block only) for the block to add: the term "
+             "is the attention output plus that bias."),
+    # Mixtures of experts: a routed experts module, optionally a shared expert beside it, the first blocks dense.
+    Family("moe", (
+        "qwen3_moe", "phimoe", "minimax_m2", "mellum", "deepseek_v2", "glm4_moe", "glm4_moe_lite", "dots1",
+        "exaone_moe", "solar_open", "sarvam_mla", "sarvam_moe", "hy_v3", "mimo_v2_flash",
+    ), _moe_kinds(), notes="routed experts (fused module), an ungated shared expert where the block has one, dense "
+                           "first blocks."),
+    Family("moe_shared_first", ("ernie4_5_moe", "hunyuan_v1_moe"), _moe_kinds(shared_first=True),
+           notes="routed experts, a shared expert computed before them, dense first blocks."),
+    Family("dsa_moe", ("deepseek_v32", "glm_moe_dsa", "axk2"), _moe_kinds(), padding_safe=False,
+           notes="DeepSeek sparse attention: a lightning indexer picks each query's top-k keys; routed + shared "
+                 "experts. Declared padding-unsafe: axk2's tiny model moves 1% padded, and issue 12 measured "
+                 "deepseek_v32 / glm_moe_dsa padded logits 3% / 2.6% off."),
+    Family("axk1", ("axk1",), _moe_kinds(post_norm="mlp.post_mlp_layernorm"),
+           notes="MLA attention; routed + shared experts under a norm inside the MoE module (post_mlp_layernorm)."),
+    Family("kimi_linear", ("kimi_linear", "bailing_hybrid"),
+           _moe_kinds(mixer=(Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.forget_gate")),
+           padding_safe=False,
+           notes="Kimi delta attention (block level) beside MLA attention; routed + shared experts. Recurrent state: "
+                 "declared padding-unsafe."),
+    Family("flex_olmo", ("flex_olmo",), (LayerKind((
+        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
+             post_norm="post_attention_layernorm"),
+        Term("mlp", "post_feedforward_layernorm.output", "experts", "mlp.experts",
+             post_norm="post_feedforward_layernorm"),
+    )),), notes="OLMo-2 post-norms around attention and routed experts."),
+    Family("afmoe", ("afmoe",), (
+        LayerKind((
+            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
+                 post_norm="post_attention_layernorm", reads="input_layernorm"),
+            Term("mlp", "post_mlp_layernorm.output", "experts", "mlp.experts", post_norm="post_mlp_layernorm",
+                 shared="mlp.shared_experts.down_proj", shared_first=True, reads="pre_mlp_layernorm"),
+        ), when="mlp.experts"),
+        _sequential(attn_post="post_attention_layernorm", mlp_post="post_mlp_layernorm",
+                    reads=("input_layernorm", "pre_mlp_layernorm"))[0],
+    ), notes="sandwich norms; gated attention; routed + shared experts after dense first blocks."),
+    Family("kolibri1", ("kolibri1",), (
+        LayerKind((
+            Term("attn", "post_self_attn_layernorm.output", "heads", "self_attn.o_proj",
+                 post_norm="post_self_attn_layernorm", reads="input_layernorm"),
+            Term("mlp", "post_mlp_layernorm.output", "experts", "mlp.experts", post_norm="post_mlp_layernorm",
+                 shared="mlp.shared_experts.down_proj", reads="post_attention_layernorm"),
+        ), when="mlp.experts"),
+        _sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm")[0],
+    ), notes="sandwich norms; routed + shared experts."),
+    Family("qwen3_next", ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini"), _QWEN_NEXT_KINDS,
+           rename={"attn_name": "linear_attn"}, padding_safe=False,
+           notes="gated-DeltaNet linear attention (block-level: its heads are not the attention heads) beside full "
+                 "attention; dense MLP or routed experts with a (sigmoid-gated) shared expert. Recurrent and "
+                 "convolution state: declared padding-unsafe (the tiny model's CPU path masks the pads)."),
+    Family("flint", ("flint",), _QWEN_NEXT_KINDS, rename={"attn_name": "linear_attn"},
+           notes="Qwen3-Next blocks with sliding-window and full attention only; routed experts with a sigmoid-gated "
+                 "shared expert."),
+    # Granite mixtures of experts: every write times residual_multiplier, logits over logits_scaling.
+    Family("granitemoe", ("granitemoe", "granitemoe_swa", "granitemoeshared"), _granite_moe_kinds(),
+           logits_over="logits_scaling",
+           notes="routed experts (block_sparse_moe), a shared MLP beside them where the block has one; Granite "
+                 "multipliers."),
+    Family("granitemoehybrid", ("granitemoehybrid",), _granite_moe_kinds(), logits_over="logits_scaling",
+           load_kwargs={"check_renaming": False}, padding_safe=False,
+           notes="Mamba-2 mixers beside attention; routed experts and a shared MLP; Granite multipliers; recurrent "
+                 "state: declared padding-unsafe."),
+    # State-space and recurrent mixers (the mixer is one block-level term: its state mixes every position).
+    Family("mamba", ("mamba", "mamba2", "falcon_mamba"),
+           (LayerKind((Term("mixer", "self_attn.output", reads="norm"),)),),
+           rename={"attn_name": "mixer", "ignore_mlp": True, "model_name": "backbone"},
+           load_kwargs={"check_renaming": False}, padding_safe=False,
+           notes="one Mamba mixer per block; recurrent state: declared padding-unsafe."),
+    Family("nemotron_h", ("nemotron_h",), (
+        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="norm"),),
+                  when="self_attn.o_proj"),
+        LayerKind((Term("mlp", "self_attn.output", reads="norm"),), when="self_attn.experts"),
+        LayerKind((Term("mlp", "self_attn.output", "neurons", "self_attn.down_proj", reads="norm"),),
+                  when="self_attn.down_proj"),
+        LayerKind((Term("mixer", "self_attn.output", reads="norm"),)),
+    ), rename={"attn_name": "mixer", "ignore_mlp": True}, load_kwargs={"check_renaming": False}, padding_safe=False,
+        notes="one mixer per block: Mamba-2, attention, MLP or routed + shared experts (block level: its experts "
+              "have no gate, a layout the expert split does not read yet); recurrent state: declared padding-unsafe."),
+    Family("zamba", ("zamba",), (
+        LayerKind((Term("mixer", "mamba_decoder.mamba.output"),), when="mamba_decoder"),
+        LayerKind((Term("mixer", "mamba.output", reads="input_layernorm"),)),
+    ), rename={"attn_name": ["mamba", "mamba_decoder.mamba"], "ln_final_name": "final_layernorm", "ignore_mlp": True},
+        load_kwargs={"allow_multimodal": True}, padding_safe=False,
+        notes="Zamba-2 layout: hybrid blocks feed a shared transformer's output into the Mamba mixer, whose output is "
+              "the block's only write; recurrent state: declared padding-unsafe."),
+    Family("jamba", ("jamba", "bamba"), _moe_kinds(
+        mixer=(Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
+        mlp_reads="pre_ff_layernorm"),
+        rename={"attn_name": "mamba", "mlp_name": "feed_forward", "ln_final_name": "final_layernorm"},
+        load_kwargs={"allow_multimodal": True}, padding_safe=False,
+        notes="Mamba mixers beside attention, a dense MLP or routed experts after each; recurrent state: declared "
+              "padding-unsafe."),
+    Family("lfm2", ("lfm2", "lfm2_moe"), _moe_kinds(
+        attention=Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="operator_norm"),
+        mixer=(Term("mixer", "self_attn.output", reads="operator_norm"), "self_attn.conv"),
+        mlp_reads="ffn_norm", down="w2"),
+        rename={"attn_name": "conv", "mlp_name": "feed_forward"}, load_kwargs={"allow_multimodal": True},
+        padding_safe=False,
+        notes="short causal convolutions beside attention; dense (w1/w3/w2) or routed experts; the convolution's "
+              "state reads the pads: declared padding-unsafe."),
+    Family("lfm3", ("lfm3",), tuple(
+        LayerKind((mixer, Term("mlp", "post_ffn_norm.output", "neurons", "mlp.w2", post_norm="post_ffn_norm",
+                               reads="ffn_norm")), when=when)
+        for mixer, when in (
+            (Term("mixer", "post_operator_norm.output", post_norm="post_operator_norm", reads="operator_norm"),
+             "self_attn.conv"),
+            (Term("attn", "post_operator_norm.output", "heads", "self_attn.o_proj", post_norm="post_operator_norm",
+                  reads="operator_norm"), None),
+        )
+    ), rename={"attn_name": "conv", "mlp_name": "feed_forward"}, load_kwargs={"allow_multimodal": True},
+        padding_safe=False,
+        notes="LFM2 with sandwich norms (post_operator_norm, post_ffn_norm); convolutions: declared padding-unsafe."),
+    Family("olmo_hybrid", ("olmo_hybrid",), (
+        LayerKind((Term("mixer", "self_attn.output", reads="input_layernorm"),
+                   Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")),
+                  when="input_layernorm"),
+        POST_NORM_ONLY[0],
+    ), rename={"attn_name": "linear_attn"}, load_kwargs={"allow_multimodal": True}, padding_safe=False,
+        notes="gated-DeltaNet blocks (pre-norm) beside OLMo-3 attention blocks (post-norm only); recurrent state: "
+              "declared padding-unsafe."),
+    Family("xlstm", ("xlstm",), (LayerKind((
+        Term("mixer", "self_attn.output", reads="norm_mlstm"),
+        Term("mlp", "mlp.output", "neurons", "mlp.proj_down", reads="norm_ffn"),
+    )),), rename={"attn_name": "mlstm_layer", "model_name": "backbone", "ln_final_name": "out_norm"},
+        load_kwargs={"check_renaming": False}, padding_safe=False, softcap="output_logit_soft_cap",
+        notes="mLSTM mixer (block level) and a gated MLP per block; logits soft-capped; recurrent state: "
+              "padding-unsafe (measured: a padded prompt's logits move)."),
 )
 
 
 # Decoder model types dla_recipes knows and refuses: model type -> why no entry can be exact yet (what is missing).
 # ``family_of`` raises ``UnknownFamilyError`` naming the reason; the generated families page lists them.
 REFUSED: dict[str, str] = {
+    "laguna": "its MoE multiplies the routed experts' sum by moe_routed_scaling_factor after the experts module and "
+              "before adding the shared expert; the expert split has no term for that factor yet",
+    "dots3_note_text": "its config gives the number of attention heads per layer (per_layer_config), which the "
+                       "head split does not read yet",
+    "longcat_flash": "each block holds two attention sublayers and two MLPs (ModuleLists) plus a shortcut MoE "
+                     "added at the block's end, whose zero-computation (identity) experts add their input; no term "
+                     "kind reads ModuleList sublayers or identity experts yet",
 }
 
 

@@ -195,7 +195,8 @@ def layer_terms(family: Family, layer) -> tuple[Term, ...]:
     """The terms block ``layer`` (an envoy) writes: those of the first layer kind of ``family`` whose ``when`` path
     exists on it, less the optional terms whose ``when`` path is missing or whose ``unless`` path exists."""
     for kind in family.kinds:
-        if kind.when is None or _has_path(layer, kind.when):
+        when = (kind.when,) if isinstance(kind.when, str) else kind.when or ()
+        if all(_has_path(layer, path) for path in when):
             return tuple(
                 term for term in kind.terms
                 if (term.when is None or _has_path(layer, term.when))

@@ -11,7 +11,8 @@ outputs), and each recipe is offered as ``recipes/NAME.py`` (copied from docs/) 
 cell). A link to a ``.ipynb`` or ``.py`` that is not in the site, or a table-of-contents entry whose anchor is not on
 its page, is a warning (an error under ``--strict``).
 
-plotly.min.js is served from the installed plotly package (no CDN: the site works offline).
+plotly.min.js is served from the installed plotly package (no CDN: the site works offline). The family table page
+(``family-table.md``) is generated from ``dla_recipes/families.py`` by ``notebooks/families_table.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.hooks.dla_recipes")
 PLOTLY_JS = "assets/javascripts/plotly.min.js"
 DOWNLOADS = "notebooks"  # site folder of the pages' .ipynb downloads
+
+
+def _families_table():
+    """notebooks/families_table.py, as a module."""
+    here = Path(__file__).resolve().parent / "families_table.py"
+    spec = importlib.util.spec_from_file_location("dla_docs_families_table", here)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _runner():
@@ -74,6 +84,7 @@ def on_files(files: Files, config) -> Files:
     for path in runner.recipes():  # the .py files are in docs/recipes/ already; add each as a one-cell notebook
         files.append(File.generated(config, f"recipes/{path.stem}.ipynb",
                                     content=nbformat.writes(runner.recipe_notebook(path)) + "\n"))
+    files.append(File.generated(config, "family-table.md", content=_families_table().render()))
     try:
         import plotly
     except ImportError as error:

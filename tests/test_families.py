@@ -5,12 +5,18 @@ from its init, a padded batch of three prompts of different lengths, a contrast 
 own output: the logit the parts sum to is checked against a plain transformers forward of each prompt alone.
 """
 
+import importlib.util
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes.testing import tiny
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _softcap(z, cap):
@@ -45,3 +51,50 @@ def test_padding_unsafe_family_warns_on_a_padded_batch(family):
     model = tiny_model(family)
     with pytest.warns(UserWarning, match="left padding changes this family's outputs"):
         dla_recipes.attribute(model, PROMPTS, TARGET)
+
+
+def _padded_last_logits(model, prompts) -> torch.Tensor:
+    """``[batch, vocab]``: a plain transformers forward of the left-padded batch, fed exactly what an nnsight trace
+    feeds the model (its mask-derived ``position_ids`` included), at each prompt's last token."""
+    from nnsight.modeling.processing import supply_position_ids
+
+    encoding = dict(model.tokenizer(prompts, return_tensors="pt", padding=True))
+    supply_position_ids(model, encoding)
+    with torch.no_grad():
+        return model._module(**encoding).logits[:, -1].float()
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_padding_safety_is_measured(family):
+    """A family declared padding-safe must be: its padded batch's logits are each prompt's own (a plain forward of
+    the prompt alone). Declared unsafe is always allowed (attribute then never pads its prompts)."""
+    model = tiny_model(family)
+    entry = dla_recipes.family_of(model)
+    padded = _padded_last_logits(model, PROMPTS)
+    alone = torch.stack([plain_logits(model, prompt)[-1] for prompt in PROMPTS])
+    moved = ((padded - alone).abs() / alone.abs().clamp(min=1.0)).max()
+    if entry.padding_safe:
+        assert float(moved) <= 1e-4, (
+            f"{family}: declared padding_safe, but left padding moves its logits by {float(moved):.3g} (relative); "
+            "set padding_safe=False on its entry in dla_recipes/families.py"
+        )
+
+
+def test_readme_counts_the_model_types():
+    """README's "N model types" is the family table's count (the generated families page computes the same)."""
+    spec = importlib.util.spec_from_file_location("dla_families_table", ROOT / "notebooks" / "families_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    quoted = {int(n) for n in re.findall(r"(\d+) model types", (ROOT / "README.md").read_text(encoding="utf-8"))}
+    assert quoted == {table.count()}, f"README quotes {sorted(quoted)} model types; the table has {table.count()}"
+    page = table.render()
+    for model_type, reason in dla_recipes.families.REFUSED.items():
+        assert f"`{model_type}`" in page and reason in page
+
+
+def test_refused_model_type_names_its_reason():
+    from types import SimpleNamespace
+
+    for model_type, reason in dla_recipes.families.REFUSED.items():
+        with pytest.raises(dla_recipes.UnknownFamilyError, match=re.escape(reason[:40])):
+            dla_recipes.family_of(SimpleNamespace(model_type=model_type))
