@@ -65,7 +65,14 @@ def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
                     f"({term.projection}) has no value tensor in the family table (fused QKV, latent attention, a "
                     "mixture of attention, or attention that never returns its pattern); use by='head'"
                 )
-            if not _has_path(model.layers[i], term.values.rsplit(".", 1)[0]):
+            module = term.values.rsplit(".", 1)[0]
+            if not any(_has_path(layer, module) for layer in model.layers):
+                raise DLAError(
+                    f"family {plan.family.name!r}: by='source' is not supported: no block has the value tensor the "
+                    f"family table names ({term.values}; latent or fused attention computes its values elsewhere); "
+                    "use by='head'"
+                )
+            if not _has_path(model.layers[i], module):
                 raise DLAError(
                     f"family {plan.family.name!r}: block {i} computes no values of its own ({term.values} is absent: "
                     "it reuses another block's keys and values); split other layers with "

@@ -23,7 +23,11 @@ from dla_recipes.testing import tiny
 # other layers are split in test_kv_shared_layers_refused_but_others_split). Every other family must split.
 REFUSED = ["deepseek_v3", "recurrent_gemma", "falcon",
            "falcon_new_arch", "zaya", "deepseek_v4", "zamba2", "jetmoe", "gemma4"]
-SUPPORTED = [family for family in tiny.FAMILIES if family not in REFUSED]
+# The families the first-principles reference below knows how to read (multipliers after the last block, fused
+# value layouts); every other family is checked by test_every_family_splits_exactly_or_refuses_clearly.
+SUPPORTED = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "phi3", "smollm3", "apertus", "gptj",
+             "gpt_neox", "gpt_neox_sequential", "mixtral", "qwen2_moe", "olmoe", "gemma2", "gemma3", "glm4", "olmo2",
+             "olmo3", "exaone4", "granite", "cohere", "bloom", "opt", "phi", "gemma4_moe", "doge"]
 _MODELS: dict = {}
 
 
@@ -133,6 +137,27 @@ def test_sources_match_first_principles(family):
         assert error <= 1e-6 * scale, f"{family} prompt {b}: {error:.3g}"
         assert bool((ours[:, lengths[b]:] == 0).all())  # sources this prompt does not have
         assert float(ref.abs().max()) > 1e-4  # the reference is not trivially zero
+
+
+@pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if f not in SUPPORTED and f not in REFUSED])
+def test_every_family_splits_exactly_or_refuses_clearly(family):
+    """Every other family: by='source' either sums to the model's own logit (the self-check), its sources summing to
+    the by='head' parts, with the pattern rebuilding the heads' real outputs in the trace, or refuses with a
+    DLAError naming why; never another exception, never a silent wrong answer."""
+    try:
+        model = eager_model(family)
+    except DLAError:
+        return  # the family cannot even load with eager attention: refused at load, with a reason
+    try:
+        attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
+    except DLAError as error:
+        assert str(error), family
+        return
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    assert (attr.total - attr.logit).abs().le(tolerance(attr.logit)).all()
+    assert attr.heads().labels == heads.labels
+    assert (attr.heads().values - heads.values).abs().max() <= 1e-5 * max(1.0, float(heads.values.abs().max()))
+    assert attr.diagnostics["norm_fit_error"] <= 1e-4  # includes the pattern rebuilding the heads' outputs
 
 
 @pytest.mark.parametrize("family", REFUSED)
