@@ -12,7 +12,15 @@ must come before the first ``import nnterp``.
 from . import _compat  # noqa: F401  (must run before anything imports nnterp)
 from .api import attribute, attribute_direction, load
 from .attribution import Attribution
-from .errors import DLAError, ExactnessError, FamilyTableError, InputError, RemoteError, UnknownFamilyError
+from .errors import (
+    DLAError,
+    ExactnessError,
+    FamilyTableError,
+    InputError,
+    NonFiniteError,
+    RemoteError,
+    UnknownFamilyError,
+)
 from .families import FAMILIES, Family, LayerKind, Term, family_of
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .plan import Plan, build_plan
@@ -34,5 +42,5 @@ __all__ = [
     "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "family_of",
-    "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError",
+    "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "NonFiniteError", "RemoteError",
 ]

@@ -30,7 +30,7 @@ functions by name (``from dla_recipes import direct_logit_attribution``): the mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,17 @@ class Readout:
             table's final head (logit scale, soft-cap).
         norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms).
         scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
+
+    What the self-check (``check.py``) needs to bound the model's own rounding, all ``[batch]`` in logit units:
+        logit_size: ``|z_target| + |z_contrast|``: each logit is rounded at its own size, not at their difference's.
+        head_noise: ``sqrt(sum_i (y_i w_i)^2)``, ``y`` the final norm's output and ``w`` the head direction: the
+            scale of that output's rounding, carried to the logit.
+        stream_noise: ``s * sqrt(sum_i (x_i d_i)^2)``, ``x`` the stream entering the final norm: the scale of one
+            residual add's rounding, carried to the logit.
+        split_gap: over the split terms (heads, neurons), the projection's own output read along the term's
+            direction minus its parts and bias: the rounding of the projection's low-precision output.
+        split_noise: ``sqrt(sum over split terms, channels (o_i u_i)^2)`` of those outputs ``o``: its scale.
+        finite_head: 1 where the head direction (final norm gain, ``lm_head`` rows) is finite, else 0.
     """
 
     values: torch.Tensor
@@ -62,11 +73,18 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
     scale: torch.Tensor
+    logit_size: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    head_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
 
-    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale")
+    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
+                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head")
 
     def pack(self) -> torch.Tensor:
-        """``[batch, n_components + 6]`` float32: everything in one tensor, the cheapest thing to send back."""
+        """``[batch, n_components + 12]`` float32: everything in one tensor, the cheapest thing to send back."""
         batch = self.values.shape[0]
         extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self._SCALARS]
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
@@ -180,6 +198,8 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) ->
         data.update(_read_routed(layer, term, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+        if term.then is None:  # the projection's own (low-precision) output: what its parts' rounding is read against
+            data["own"] = _at(read_site(module_at(layer, term.projection), "output", batch), rows, positions).flatten(1)
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -314,6 +334,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
         pulled, bias = _linear_pullback(module_at(layer, term.projection), u, planned.transposed)
         parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
+        if "own" in data:  # the projection's rounding: its own output along u, minus its parts and bias
+            own = data["own"] * u.to(data["own"].device)
+            data["split"] = (own.sum(-1) - parts.sum(-1) - torch.as_tensor(bias).to(own.device), (own * own).sum(-1))
     else:
         parts, bias = _expert_scores(layer, planned, mode, data, u)
         rest = rest + bias
@@ -321,9 +344,11 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
     return torch.cat([parts, rest.unsqueeze(-1)], -1)
 
 
-def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list):
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
+                 splits: list | None = None):
     """``(scores [batch, n], hyper)`` of each of one block's terms: all its reads first, in forward order, then the
-    arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None.
+    arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None. ``splits``
+    collects each split term's ``(rounding gap [batch], squared noise [batch])`` (see ``Readout.split_gap``).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -346,6 +371,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
         scores.append((score, datas[k].get("hyper")))
+        if splits is not None and "split" in datas[k]:
+            splits.append(datas[k]["split"])
     return scores
 
 
@@ -371,11 +398,12 @@ def _softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
-              stop: Stop | None = None) -> tuple[torch.Tensor, list[float]]:
+              stop: Stop | None = None, splits: list | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
 
-    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors.
+    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
+    ``splits`` (a list) collects the split terms' unscaled rounding (see ``layer_scores``).
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -387,7 +415,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     for i, terms in enumerate(plan.terms_before(stop)):
-        for score, hyper in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors):
+        for score, hyper in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions, fit_errors, splits):
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
                 carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
@@ -422,9 +450,11 @@ def direct_logit_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
-        scores, fit_errors = decompose(model, plan, direction, positions, by)
+        splits: list = []
+        scores, fit_errors = decompose(model, plan, direction, positions, by, splits=splits)
         stream = model.ln_final.input  # [batch, pos, d_model]
-        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), _at(model.ln_final.output, rows, positions))
+        x, y = _at(stream, rows, positions), _at(model.ln_final.output, rows, positions)
+        final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
         head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
@@ -443,6 +473,10 @@ def direct_logit_attribution(
             )
             logit = logit - picked_contrast * plan.logit_scale
             out = out - out_contrast
+        head_rows = model.lm_head.weight[targets.to(model.lm_head.weight.device)].float()
+        if contrasts is not None:
+            head_rows = head_rows - model.lm_head.weight[contrasts.to(model.lm_head.weight.device)].float()
+        size = (picked.abs() + (picked_contrast.abs() if contrasts is not None else 0.0)) * abs(plan.logit_scale)
         return Readout(
             values=values.cpu(),
             constant=constant.cpu(),
@@ -451,7 +485,33 @@ def direct_logit_attribution(
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=final.scale.cpu(),
+            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, splits, size),
         )
+
+
+def rounding_scales(stream, direction, scale, output, head, splits, size) -> dict:
+    """The ``Readout`` fields the self-check bounds the model's own rounding with (all ``[batch]``, on the CPU).
+
+    ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
+    the norm's output read along ``head``; ``splits`` the split terms' unscaled ``(gap, squared noise)``; ``size``
+    the logits' own magnitude.
+    """
+    def norm2(a, b):  # in float64: squares of large finite activations must not overflow
+        return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
+
+    scale = scale.to(stream.device)
+    zero = torch.zeros(stream.shape[0], device=stream.device)
+    gap = sum((g.to(stream.device) for g, _ in splits), zero) * scale
+    noise = sum((n.to(stream.device) for _, n in splits), zero).sqrt() * scale.abs()
+    finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
+    return {
+        "logit_size": torch.as_tensor(size, dtype=torch.float32).expand(stream.shape[0]).cpu(),
+        "head_noise": norm2(output, head).cpu(),
+        "stream_noise": (norm2(stream, direction) * scale.abs()).cpu(),
+        "split_gap": gap.cpu(),
+        "split_noise": noise.cpu(),
+        "finite_head": finite.float().cpu(),
+    }
 
 
 def direction_attribution(
@@ -476,7 +536,9 @@ def direction_attribution(
         norm = module_at(model.layers[stop[0]], reads)
         probe = probe_norm(norm)
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
-        scores, fit_errors = decompose(model, plan, probe.center(probe.gain * v), positions, by, stop)
+        splits: list = []
+        pulled = probe.center(probe.gain * v)
+        scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, splits=splits)
         stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)
         output = _at(read_site(norm, "output", positions.shape[0]), rows, positions)
         frozen = probe.freeze(stream, output)
@@ -490,4 +552,5 @@ def direction_attribution(
             head_error=torch.zeros(()),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=frozen.scale.cpu(),
+            **rounding_scales(stream, pulled, frozen.scale, output, v, splits, 0.0),
         )
