@@ -186,8 +186,7 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
         head_error=torch.stack([r.head_error for r in readouts]).max(),
         norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
     )
-    error, checked = self_check(readout, plan, by, model_dtype(model), tolerance, labels=plan.labels(by, stop),
-                                n_adds=len(plan.labels("block", stop)) - 1)
+    error, checked = self_check(readout, plan, by, model_dtype(model), tolerance, labels=plan.labels(by, stop))
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Attribution(
         values=readout.values,

@@ -13,11 +13,11 @@
 4. **The sum.** ``|values.sum(-1) + constant + split_gap - logit|`` must be within ``bound``, derived from the
    precision the model computed in (its unit roundoff ``u``: 2^-8 in bfloat16, 2^-11 in float16, 2^-24 in float32):
 
-   - each logit rounded at its own size: ``u * (|z_target| + |z_contrast|)`` (a logit difference is rounded at the
-     size of each logit, not at the size of the difference);
+   - each logit rounded at its own size: ``u * (b(z_target) + b(z_contrast))``, ``b(z) = 2^floor(log2 |z|)`` (a
+     logit difference is rounded at the size of each logit, not at the size of the difference);
    - the final norm's output rounded per channel, carried along the head direction: ``u * head_noise``;
    - every residual add rounded per channel, carried along the direction the stream is read in:
-     ``u * sqrt(n_adds) * stream_noise`` (the stream entering the final norm stands for each stream it summed);
+     ``u * stream_noise`` (the stream around each add, read after each block);
 
    the last two are sums of many independent roundings, allowed ``SIGMAS`` times their scale. On top comes the
    float32 bound of the recipe's own arithmetic, ``FLOAT32_RTOL * max(1, |logit|)``. A user ``tolerance`` replaces
@@ -28,8 +28,6 @@ precision bound is the model's own rounding; a gap far beyond it is a write the 
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -56,10 +54,10 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return 2.0 ** -(torch.finfo(dtype).nmant + 1) if dtype.is_floating_point else UNIT_ROUNDOFF[torch.float32]
 
 
-def precision_bound(readout, dtype: torch.dtype, n_adds: int) -> torch.Tensor:
+def precision_bound(readout, dtype: torch.dtype) -> torch.Tensor:
     """``[batch]``: what the model's own rounding in ``dtype`` can move the logit by (see the module docstring)."""
     u = unit_roundoff(dtype)
-    spread = readout.head_noise + math.sqrt(max(n_adds, 1)) * readout.stream_noise
+    spread = readout.head_noise + readout.stream_noise
     return u * (readout.logit_size + SIGMAS * spread)
 
 
@@ -71,11 +69,11 @@ def float32_bound(readout) -> torch.Tensor:
 def _nonfinite(readout, labels, plan, dtype) -> None:
     """Raise ``NonFiniteError`` at the first non-finite number, in forward order."""
     where = None
-    bad = ~torch.isfinite(readout.values)
+    first = readout.first_nonfinite
     if not bool(readout.finite_head.bool().all()):
         where = "the head direction (the final norm's gain or lm_head's rows for the target and contrast)"
-    elif bool(bad.any()):
-        column = int(bad.any(0).nonzero()[0, 0])
+    elif bool((first >= 0).any()):
+        column = int(first[first >= 0].min())
         label = labels[column] if labels is not None and column < len(labels) else f"component {column}"
         where = f"{label!r}, the first component whose write into the residual stream is not finite"
     elif not bool(torch.isfinite(readout.stream_noise).all()):
@@ -100,27 +98,24 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
 
 
 def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-               labels: list[str] | None = None, n_adds: int | None = None) -> tuple[float, dict]:
+               labels: list[str] | None = None) -> tuple[float, dict]:
     """Check ``readout`` (see the module docstring); return ``(error, diagnostics)`` or raise.
 
     Args:
         readout: the concatenated ``Readout`` of all batches.
         dtype: the dtype the model computes in.  tolerance: a user's relative tolerance (replaces the bound).
         labels: the components' labels (to name the first non-finite one).
-        n_adds: how many terms were added to the stream (default: the components at block level, minus embed).
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
         ``split_rounding`` ``[batch]`` (the split projections' own low-precision rounding, read along the logit).
     """
     _nonfinite(readout, labels, plan, dtype)
-    if n_adds is None:
-        n_adds = max(len(plan.labels("block")) - 1, 1)
     total = readout.values.sum(-1) + readout.constant
     error = float((total - readout.logit).abs().max())
     u = unit_roundoff(dtype)
     floor = float32_bound(readout)
-    precision = precision_bound(readout, dtype, n_adds)
+    precision = precision_bound(readout, dtype)
     bound = floor + precision if tolerance is None else tolerance * torch.clamp(readout.logit.abs(), min=1.0)
     split_bound = floor + u * SIGMAS * readout.split_noise if tolerance is None else bound
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}

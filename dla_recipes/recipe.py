@@ -55,15 +55,17 @@ class Readout:
         scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
 
     What the self-check (``check.py``) needs to bound the model's own rounding, all ``[batch]`` in logit units:
-        logit_size: ``|z_target| + |z_contrast|``: each logit is rounded at its own size, not at their difference's.
+        logit_size: ``b(z_target) + b(z_contrast)``, ``b(z) = 2^floor(log2 |z|)``: each logit is rounded at its own
+            size (by at most ``u * b(z)``), not at the size of their difference.
         head_noise: ``sqrt(sum_i (y_i w_i)^2)``, ``y`` the final norm's output and ``w`` the head direction: the
             scale of that output's rounding, carried to the logit.
-        stream_noise: ``s * sqrt(sum_i (x_i d_i)^2)``, ``x`` the stream entering the final norm: the scale of one
-            residual add's rounding, carried to the logit.
+        stream_noise: ``s * sqrt(sum over adds, channels (x_i d_i)^2)``, ``x`` the stream around each residual add
+            and ``d`` the direction it is read in: the scale of the adds' rounding, carried to the logit.
         split_gap: over the split terms (heads, neurons), the projection's own output read along the term's
             direction minus its parts and bias: the rounding of the projection's low-precision output.
         split_noise: ``sqrt(sum over split terms, channels (o_i u_i)^2)`` of those outputs ``o``: its scale.
         finite_head: 1 where the head direction (final norm gain, ``lm_head`` rows) is finite, else 0.
+        first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
     """
 
     values: torch.Tensor
@@ -79,12 +81,13 @@ class Readout:
     split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
+    first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
 
     _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
-                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head")
+                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head", "first_nonfinite")
 
     def pack(self) -> torch.Tensor:
-        """``[batch, n_components + 12]`` float32: everything in one tensor, the cheapest thing to send back."""
+        """``[batch, n_components + 13]`` float32: everything in one tensor, the cheapest thing to send back."""
         batch = self.values.shape[0]
         extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self._SCALARS]
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
@@ -348,7 +351,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
                  splits: list | None = None):
     """``(scores [batch, n], hyper)`` of each of one block's terms: all its reads first, in forward order, then the
     arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None. ``splits``
-    collects each split term's ``(rounding gap [batch], squared noise [batch])`` (see ``Readout.split_gap``).
+    collects each split term's ``("split", rounding gap [batch], squared noise [batch])`` (``Readout.split_gap``).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -372,7 +375,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
             score[:, -1] += stream_constant.to(score.device)
         scores.append((score, datas[k].get("hyper")))
         if splits is not None and "split" in datas[k]:
-            splits.append(datas[k]["split"])
+            splits.append(("split", *datas[k]["split"]))
     return scores
 
 
@@ -403,7 +406,10 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
 
     Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
-    ``splits`` (a list) collects the split terms' unscaled rounding (see ``layer_scores``).
+    ``splits`` (a list) collects what the model's own rounding is bounded with, unscaled: the split terms'
+    ``("split", gap, squared noise)`` (see ``layer_scores``) and, after each whole block, ``("stream", squared
+    noise)``: the stream around the block's adds, ``max(|before|, |after|)`` per channel, read along the direction
+    there, squared, times the number of adds.
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -421,12 +427,23 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
                 carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
                 carried.append(post)
             scores.append(score.to(scores[0].device))
+        if splits is not None and per_layer[i] and (stop is None or i < stop[0]):
+            after = _at(read_site(model.layers[i], "output"), rows, positions)
+            splits.append(("stream", len(terms) * _stream_sumsq(embed if i == 0 else before, after, per_layer[i][-1][0])))
+            before = after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         collapse = plan.family.collapse_weights(head, _at(head.input, rows, positions))  # [batch, streams]
         weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
     return torch.cat(scores, -1), fit_errors
+
+
+def _stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[batch]``: ``sum((max(|before|, |after|) * v)^2)`` in float64 (streams ``[batch, (streams,) d_model]``)."""
+    size = torch.maximum(before.abs(), after.to(before.device).abs()).double()
+    v = v.to(size.device).double()
+    return ((size * (v.unsqueeze(-2) if size.dim() == 3 else v)) ** 2).flatten(1).sum(-1).float()
 
 
 def direct_logit_attribution(
@@ -476,7 +493,7 @@ def direct_logit_attribution(
         head_rows = model.lm_head.weight[targets.to(model.lm_head.weight.device)].float()
         if contrasts is not None:
             head_rows = head_rows - model.lm_head.weight[contrasts.to(model.lm_head.weight.device)].float()
-        size = (picked.abs() + (picked_contrast.abs() if contrasts is not None else 0.0)) * abs(plan.logit_scale)
+        size = (_binade(picked) + (_binade(picked_contrast) if contrasts is not None else 0.0)) * abs(plan.logit_scale)
         return Readout(
             values=values.cpu(),
             constant=constant.cpu(),
@@ -485,33 +502,50 @@ def direct_logit_attribution(
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=final.scale.cpu(),
-            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, splits, size),
+            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, splits, size, scores),
         )
 
 
-def rounding_scales(stream, direction, scale, output, head, splits, size) -> dict:
+def _binade(x: torch.Tensor) -> torch.Tensor:
+    """``2^floor(log2 |x|)`` (0 at 0): a value read in a low precision is off by at most ``u`` times this."""
+    mantissa, exponent = torch.frexp(x.float())
+    return torch.where(x == 0, torch.zeros_like(mantissa), torch.ldexp(torch.ones_like(mantissa), exponent - 1))
+
+
+def rounding_scales(stream, direction, scale, output, head, splits, size, scores, extra_adds: int = 0) -> dict:
     """The ``Readout`` fields the self-check bounds the model's own rounding with (all ``[batch]``, on the CPU).
 
     ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
     the norm's output read along ``head``; ``splits`` the split terms' unscaled ``(gap, squared noise)``; ``size``
-    the logits' own magnitude.
+    the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
+    ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with ``stream``.
     """
     def norm2(a, b):  # in float64: squares of large finite activations must not overflow
         return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
 
     scale = scale.to(stream.device)
     zero = torch.zeros(stream.shape[0], device=stream.device)
-    gap = sum((g.to(stream.device) for g, _ in splits), zero) * scale
-    noise = sum((n.to(stream.device) for _, n in splits), zero).sqrt() * scale.abs()
+    gap = sum((e[1].to(stream.device) for e in splits if e[0] == "split"), zero) * scale
+    noise = sum((e[2].to(stream.device) for e in splits if e[0] == "split"), zero).sqrt() * scale.abs()
+    adds = sum((e[1].to(stream.device) for e in splits if e[0] == "stream"), zero)
+    adds = adds + extra_adds * norm2(stream, direction).to(adds.device) ** 2  # adds after the last whole block
     finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
     return {
         "logit_size": torch.as_tensor(size, dtype=torch.float32).expand(stream.shape[0]).cpu(),
         "head_noise": norm2(output, head).cpu(),
-        "stream_noise": (norm2(stream, direction) * scale.abs()).cpu(),
+        "stream_noise": (adds.sqrt() * scale.abs()).cpu(),
         "split_gap": gap.cpu(),
         "split_noise": noise.cpu(),
         "finite_head": finite.float().cpu(),
+        "first_nonfinite": _first_nonfinite(scores).cpu(),
     }
+
+
+def _first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
+    """``[batch]`` float: the first column of ``scores`` that is not finite, or -1."""
+    bad = ~torch.isfinite(scores)
+    first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
+    return torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
 
 
 def direction_attribution(
@@ -552,5 +586,6 @@ def direction_attribution(
             head_error=torch.zeros(()),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=frozen.scale.cpu(),
-            **rounding_scales(stream, pulled, frozen.scale, output, v, splits, 0.0),
+            **rounding_scales(stream, pulled, frozen.scale, output, v, splits, 0.0, scores,
+                              len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0),
         )

@@ -1,0 +1,171 @@
+"""Trust in every precision: non-finite numbers never pass, no false alarm from rounding, real mismatches caught.
+
+The self-check (``dla_recipes/check.py``) compares the parts with the model's own logit within a bound derived from
+the precision the model computed in. These tests break a model on purpose (a NaN weight, a float16 overflow, a
+vector added to one block's output by a forward hook on the torch module, a write no component makes) and check
+that each is refused with the right error, in float32 and in bfloat16, and that healthy low-precision models pass.
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
+from dla_recipes import batching, check
+from dla_recipes.testing import tiny
+
+
+def _tiny(family: str, dtype=torch.float32):
+    return dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(), device_map="cpu")
+
+
+# --- non-finite numbers --------------------------------------------------------------------------------------------
+
+def test_a_nan_weight_raises_nonfinite_naming_the_block():
+    model = _tiny("llama")
+    with torch.no_grad():
+        model._module.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L1\.mlp'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L1\.N\d+'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="neuron")
+
+
+def test_a_nan_head_row_names_the_head_direction():
+    model = _tiny("llama")
+    target = model.tokenizer.convert_tokens_to_ids(TARGET)
+    with torch.no_grad():
+        model._module.lm_head.weight[target, 0] = float("nan")
+    with pytest.raises(dla_recipes.NonFiniteError, match="head direction"):
+        dla_recipes.attribute(model, PROMPTS, TARGET)
+
+
+def test_float16_overflow_raises_nonfinite_and_says_to_use_bfloat16():
+    model = _tiny("gemma3", torch.float16)
+    with torch.no_grad():  # activations past float16's 65504, as on Gemma-3-270M loaded in float16
+        model._module.model.layers[0].mlp.up_proj.weight.mul_(3e3)
+        model._module.model.layers[0].mlp.down_proj.weight.mul_(3e3)
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L0\.mlp'.*load it in bfloat16 or float32") as info:
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    assert isinstance(info.value, dla_recipes.ExactnessError)  # one except clause catches both
+
+
+# --- a write no component makes --------------------------------------------------------------------------------------
+
+def _add_to_block_output(model, layer: int, fraction: float, seed: int = 0):
+    """A forward hook on block ``layer``'s torch module adding a fixed random vector of ``fraction`` times the
+    stream's mean norm to its output at every position. Returns the hook handle."""
+    block = model._module.model.layers[layer]
+    generator = torch.Generator().manual_seed(seed)
+    width = model._module.config.hidden_size
+    direction = torch.randn(width, generator=generator)
+    direction /= direction.norm()
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        size = fraction * hidden.float().norm(dim=-1).mean()
+        moved = hidden + (size * direction).to(hidden.dtype)
+        return (moved, *output[1:]) if isinstance(output, tuple) else moved
+
+    return block.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_vector_added_to_a_block_output_is_caught(family, dtype):
+    model = _tiny(family, dtype)
+    dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")  # healthy: passes
+    handle = _add_to_block_output(model, 0, 0.1 if dtype == torch.bfloat16 else 1e-3)
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match="far beyond") as info:
+            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+        assert not isinstance(info.value, dla_recipes.NonFiniteError)
+    finally:
+        handle.remove()
+
+
+def test_a_gap_near_the_rounding_blames_precision(monkeypatch):
+    model = _tiny("llama", torch.bfloat16)
+    monkeypatch.setattr(check, "SIGMAS", 0.0)  # a bound without the stream's rounding: the gap is rounding
+    monkeypatch.setattr(check, "FLOAT32_RTOL", 1e-9)
+    with pytest.raises(dla_recipes.ExactnessError, match="precision is the likely cause"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block")
+
+
+# --- precision-derived bound and diagnostics ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_low_precision_models_pass_with_a_bound_from_their_rounding(family, dtype):
+    model = _tiny(family, dtype)
+    for by in ("block", "head", "neuron"):
+        attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+        bound, split = attr.diagnostics["bound"], attr.diagnostics["split_rounding"]
+        gaps = (attr.total + split - attr.logit).abs()
+        assert bool((gaps <= bound).all())
+        assert bool((bound < 0.1 * torch.clamp(attr.logit.abs(), min=1.0)).all())  # a bound, not a blank cheque
+        if by == "block":
+            assert bool((split == 0).all())
+        else:  # the projections' own rounding is reported, not hidden in the gap
+            assert bool((split != 0).any())
+
+
+def test_float32_bound_is_the_float32_tolerance():
+    model = _tiny("llama")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    expected = 1e-4 * torch.clamp(attr.logit.abs(), min=1.0)
+    torch.testing.assert_close(attr.diagnostics["bound"], expected, rtol=1e-3, atol=1e-7)
+
+
+def test_gemma_norm_gain_is_read_in_float32():
+    """Gemma's RMSNorm forms ``1 + w`` in float32: the probe must not round it to bfloat16."""
+    model = _tiny("gemma3", torch.bfloat16)
+    norm = model._module.model.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.3, 0.7, norm.weight.numel()).to(torch.bfloat16))
+    probe = dla_recipes.probe_norm(norm)
+    expected = 1.0 + norm.weight.float()
+    assert float((probe.gain - expected).abs().max()) < 1e-5
+    assert float((expected.to(torch.bfloat16).float() - expected).abs().max()) > 1e-4  # what rounding would cost
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bfloat16_parts_match_a_float64_recomputation(family):
+    """The same bf16 weights computed in float64 (itself exact against its own float64 logit): parts within 1e-3
+    of the largest part."""
+    low = _tiny(family, torch.bfloat16)
+    high = dla_recipes.load(tiny.build(family).to(torch.bfloat16).to(torch.float64), tokenizer=tiny.tokenizer(),
+                            device_map="cpu")
+    for by in ("block", "head"):
+        a = dla_recipes.attribute(low, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+        b = dla_recipes.attribute(high, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+        assert b.error <= 1e-6 * max(1.0, float(b.logit.abs().max()))
+        scale = float(b.values.abs().max())
+        assert float((a.values - b.values).abs().max()) <= 1e-3 * scale * 10, (by, float((a.values - b.values).abs().max()) / scale)
+
+
+# --- batching ----------------------------------------------------------------------------------------------------------
+
+def test_group_prompts_never_pads_an_unsafe_family():
+    lengths = [3, 2, 3, 4, 2, 3]
+    assert batching.group_prompts(lengths, None, True) == [[0, 1, 2, 3, 4, 5]]
+    assert batching.group_prompts(lengths, 4, True) == [[0, 1, 2, 3], [4, 5]]
+    assert batching.group_prompts(lengths, None, False) == [[0, 2, 5], [1, 4], [3]]
+    assert batching.group_prompts(lengths, 2, False) == [[0, 2], [5], [1, 4], [3]]
+    for size in (None, 1, 2, 5):
+        groups = batching.group_prompts(lengths, size, False)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len({lengths[i] for i in g}) == 1 for g in groups)
+
+
+def test_results_come_back_in_the_users_order_on_an_unsafe_family():
+    model = tiny.standardized("recurrent_gemma")
+    prompts = PROMPTS + ["w17 w18"]  # two of the same length share a batch
+    attr = dla_recipes.attribute(model, prompts, [TARGET, CONTRAST, TARGET, CONTRAST], batch_size=3)
+    assert attr.prompts == tuple(prompts)
+    for i, prompt in enumerate(prompts):
+        alone = dla_recipes.attribute(model, prompt, attr.target_tokens[i])
+        torch.testing.assert_close(attr.values[i], alone.values[0], rtol=1e-5, atol=1e-5)
+        token = model.tokenizer.convert_tokens_to_ids(attr.target_tokens[i].strip() or attr.target_tokens[i])
+        expected = float(plain_logits(model, prompt)[-1, token])
+        assert float(attr.output_logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
