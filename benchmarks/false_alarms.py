@@ -97,6 +97,8 @@ def run_one(model, prompts, targets, contrasts, by) -> list[dict]:
     try:
         attr = dla_recipes.attribute(model, list(prompts), list(targets), contrast=list(contrasts), by=by)
     except dla_recipes.DLAError as error:
+        if type(error).__name__ == "NonFiniteError":  # the model overflows: every call of the batch is refused
+            return [{"outcome": "NonFiniteError", "message": str(error)[:400]} for _ in prompts]
         if len(prompts) > 1:
             return [r for k in range(len(prompts))
                     for r in run_one(model, prompts[k:k + 1], targets[k:k + 1], contrasts[k:k + 1], by)]

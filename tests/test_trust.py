@@ -52,14 +52,10 @@ def test_float16_overflow_raises_nonfinite_and_says_to_use_bfloat16():
 
 # --- a write no component makes --------------------------------------------------------------------------------------
 
-def _add_to_block_output(model, layer: int, fraction: float, seed: int = 0):
-    """A forward hook on block ``layer``'s torch module adding a fixed random vector of ``fraction`` times the
-    stream's mean norm to its output at every position. Returns the hook handle."""
+def _add_to_block_output(model, layer: int, fraction: float, direction: torch.Tensor):
+    """A forward hook on block ``layer``'s torch module adding ``direction`` (a unit vector) times ``fraction`` times
+    the stream's mean norm to its output at every position: a write no component makes. Returns the handle."""
     block = model._module.model.layers[layer]
-    generator = torch.Generator().manual_seed(seed)
-    width = model._module.config.hidden_size
-    direction = torch.randn(width, generator=generator)
-    direction /= direction.norm()
 
     def hook(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
@@ -70,18 +66,46 @@ def _add_to_block_output(model, layer: int, fraction: float, seed: int = 0):
     return block.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_a_vector_added_to_a_block_output_is_caught(family, dtype):
-    model = _tiny(family, dtype)
-    dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")  # healthy: passes
-    handle = _add_to_block_output(model, 0, 0.1 if dtype == torch.bfloat16 else 1e-3)
+def _unit(vector: torch.Tensor) -> torch.Tensor:
+    return vector.float() / vector.float().norm()
+
+
+def _caught(model, prompts, target, contrast, layer, fraction, direction, message=None):
+    handle = _add_to_block_output(model, layer, fraction, direction)
     try:
-        with pytest.raises(dla_recipes.ExactnessError, match="far beyond") as info:
-            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+        with pytest.raises(dla_recipes.ExactnessError, match=message) as info:
+            dla_recipes.attribute(model, prompts, target, contrast=contrast, by="head")
         assert not isinstance(info.value, dla_recipes.NonFiniteError)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_vector_added_to_a_block_output_is_caught(family, dtype):
+    """Along the logit's own head direction (the write that matters most): 0.1% of the stream's norm in float32,
+    5% in bfloat16 (measured: caught from 3%; SmolLM2 below catches random directions)."""
+    model = _tiny(family, dtype)
+    dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")  # healthy: passes
+    ids = model.tokenizer.convert_tokens_to_ids([TARGET, CONTRAST])
+    weight = model._module.lm_head.weight
+    direction = _unit(weight[ids[0]] - weight[ids[1]])
+    _caught(model, PROMPTS, TARGET, CONTRAST, 0, 1e-3 if dtype == torch.float32 else 5e-2, direction)
+    _caught(model, PROMPTS, TARGET, CONTRAST, 0, 0.5, direction, "far beyond")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_random_vector_added_to_a_smollm2_block_is_caught(dtype):
+    """SmolLM2-135M: a fixed random direction, 0.3% of the stream's norm in float32, 5% in bfloat16 (measured over
+    4 random directions: all caught from 3% in bfloat16, 2 of 4 at 1%; all from 0.1% in float32)."""
+    from dla_recipes import models
+
+    model = dla_recipes.load(str(models.default_model_path()), dtype=dtype, dispatch=True)
+    prompts = ["The Eiffel Tower is in the city of", "The Vatican is in"]
+    dla_recipes.attribute(model, prompts, [" Paris", " the"], contrast=[" Rome", " a"], by="head")
+    direction = _unit(torch.randn(model._module.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+    _caught(model, prompts, [" Paris", " the"], [" Rome", " a"], 15, 3e-3 if dtype == torch.float32 else 5e-2,
+            direction)
 
 
 def test_a_gap_near_the_rounding_blames_precision(monkeypatch):
