@@ -191,8 +191,8 @@ def test_bfloat16_parts_match_a_float64_recomputation(family):
         sites[f"L{i}.attn"] = (getattr(layer, post[0]) if post else layer.self_attn, "output")
         sites[f"L{i}.mlp"] = (getattr(layer, post[1]) if post else layer.mlp, "output")
     ids = model.tokenizer.convert_tokens_to_ids([TARGET, CONTRAST])
-    head = (hf.lm_head.weight[ids[0]].double() - hf.lm_head.weight[ids[1]].double())
-    gain = norm.weight.double() + (1.0 if family == "gemma3" else 0.0)
+    head = (hf.lm_head.weight[ids[0]].double() - hf.lm_head.weight[ids[1]].double()).detach()
+    gain = norm.weight.double().detach() + (1.0 if family == "gemma3" else 0.0)
     eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
     for prompt in PROMPTS:
         seen = _captured_run(hf, model.tokenizer(prompt, return_tensors="pt"), sites)
