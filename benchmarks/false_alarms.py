@@ -25,10 +25,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-import dla_recipes  # noqa: E402
-from dla_recipes import models  # noqa: E402
+import dla_recipes
+from dla_recipes import models
 
 PROMPTS = [
     "The Eiffel Tower is in the city of",

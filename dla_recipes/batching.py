@@ -9,8 +9,8 @@ user's order (``in_user_order``). Same-length prompts still share a batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 

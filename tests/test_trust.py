@@ -8,9 +8,9 @@ that each is refused with the right error, in float32 and in bfloat16, and that 
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
 from dla_recipes import batching, check
 from dla_recipes.testing import tiny
 
