@@ -18,6 +18,7 @@ from .errors import (
     FamilyTableError,
     InputError,
     LoadError,
+    NonFiniteError,
     RemoteError,
     TraceUsageError,
     UnknownFamilyError,
@@ -45,6 +46,6 @@ __all__ = [
     "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
     "layer_output", "term_output",
     "FAMILIES", "Family", "LayerKind", "Term", "ExpertsLayout", "family_of",
-    "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "RemoteError", "LoadError",
-    "RemoteBatchError", "TraceUsageError",
+    "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "NonFiniteError",
+    "RemoteError", "LoadError", "RemoteBatchError", "TraceUsageError",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from dataclasses import replace
 from typing import Sequence
 
@@ -19,6 +18,8 @@ import torch
 
 from . import _compat  # noqa: F401  (before nnterp)
 from .attribution import Attribution
+from .batching import group_prompts, in_user_order, token_lengths
+from .check import check_exact, model_dtype, self_check  # noqa: F401  (check_exact: public, re-exported)
 from .errors import DLAError, ExactnessError, InputError
 from .families import family_of
 from .inputs import (
@@ -28,16 +29,6 @@ from .plan import Granularity, build_plan
 from .recipe import Readout, direct_logit_attribution, direction_attribution
 from .load_errors import load_error
 from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
-
-# Relative tolerance of the self-check, by the dtype the model computes in: |sum - logit| <= rtol * max(1, |logit|).
-TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def _model_dtype(model) -> torch.dtype:
-    try:
-        return model.lm_head.weight.dtype
-    except AttributeError:
-        return torch.float32
 
 
 def _tokenizer_for(model, tokenizer):
@@ -177,9 +168,11 @@ def _keeps_logits(model) -> bool:
     return "logits_to_keep" in inspect.signature(model._module.forward).parameters
 
 
-def _chunks(n: int, size: int | None) -> list[slice]:
-    size = n if not size else max(1, int(size))
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def _groups(model, plan, prompts: list, batch_size: int | None) -> list[list[int]]:
+    """The prompts' indices per forward pass (``batching.py``): never a padded batch on a padding-unsafe family."""
+    safe = plan.family.padding_safe
+    lengths = [0] * len(prompts) if safe else token_lengths(model, prompts)
+    return group_prompts(lengths, batch_size, safe)
 
 
 def _prompts(prompts) -> list[str]:
@@ -187,20 +180,14 @@ def _prompts(prompts) -> list[str]:
 
 
 def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop=None,
-                 done: tuple = (), intervene=None, sources=None) -> Attribution:
+                 done: tuple = (), intervene=None, sources=None, order=None) -> Attribution:
     """Run ``recipe`` on each batch (one trace / request each), concatenate, self-check, label.
 
     ``done``: readouts of the first batches, already run (``RemoteBatchError.resume``). When remote request ``k``
     fails for good, a ``RemoteBatchError`` keeps the attribution of the requests that completed and can resume.
-    ``sources``: the ``plan.Sources`` of a ``by="source"`` run (its labels).
+    ``sources``: the ``plan.Sources`` of a ``by="source"`` run (its labels). ``order``: the user's index of each
+    prompt in run order (``batching.group_prompts``); the result's rows are put back in the user's order.
     """
-    if not plan.family.padding_safe and any(len(set(b.lengths)) > 1 for b in batches):
-        warnings.warn(
-            f"{plan.family.name}: left padding changes this family's outputs (its recurrent state or routing reads "
-            "the pad tokens), so a padded prompt is attributed as the padded batch computes it; attribute prompts "
-            "of different lengths one at a time (batch_size=1) to get each prompt's own logits",
-            stacklevel=3,
-        )
     todo = batches[len(done):]
     show = progress if progress is not None else len(batches) > 1
     if show:
@@ -210,18 +197,23 @@ def _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, 
     run = lambda batch: run_trace(model, plan, batch, recipe, make_args(batch), remote, intervene)  # noqa: E731
     readouts, failed, error = run_all(run, todo, remote)
     readouts = list(done) + readouts
+    order = list(order) if order is not None else list(range(sum(len(b.prompts) for b in batches)))
     if error is None:
-        return _assemble(model, plan, batches, readouts, by, tolerance, stop, sources)
+        return in_user_order(_assemble(model, plan, batches, readouts, by, tolerance, stop, sources), order)
     k = len(readouts)
-    partial = _assemble(model, plan, batches[:k], readouts, by, tolerance, stop, sources) if readouts else None
-    covered = tuple(range(sum(len(b.prompts) for b in batches[:k])))
+    ran = order[:sum(len(b.prompts) for b in batches[:k])]  # the user's indices of the prompts that ran
+    covered = tuple(sorted(ran))
+    partial = None
+    if readouts:  # its rows in the user's order too: rank the indices that ran
+        partial = in_user_order(_assemble(model, plan, batches[:k], readouts, by, tolerance, stop, sources),
+                                [covered.index(i) for i in ran])
     raise RemoteBatchError(
         f"request {k + 1} of {len(batches)} failed: {error}\n\nThe {k} request(s) before it completed: their "
         f"attribution ({len(covered)} prompt(s)) is kept in this error's .partial; call .resume() to send the "
         f"{len(batches) - k} remaining request(s) and get the whole attribution.",
         partial=partial, done=covered, failed_batch=k, cause=error,
         resume=lambda: _run_batches(model, plan, batches, recipe, make_args, by, remote, progress, tolerance, stop,
-                                    done=tuple(readouts), intervene=intervene, sources=sources),
+                                    done=tuple(readouts), intervene=intervene, sources=sources, order=order),
     ) from error
 
 
@@ -229,11 +221,11 @@ def _assemble(model, plan, batches, readouts, by, tolerance, stop, sources=None)
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order)."""
     readout = Readout(
         **{name: torch.cat([getattr(r, name) for r in readouts]).float()
-           for name in ("values", "constant", "logit", "output_logit", "scale")},
+           for name in ("values", "constant", "logit", "output_logit", "scale") + Readout._SCALARS[6:]},
         head_error=torch.stack([r.head_error for r in readouts]).max(),
         norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
     )
-    error = check_exact(readout, plan, by, model, tolerance)
+    error, checked = self_check(readout, plan, by, model_dtype(model), tolerance, labels=plan.labels(by, stop, sources))
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Attribution(
         values=readout.values,
@@ -252,6 +244,7 @@ def _assemble(model, plan, batches, readouts, by, tolerance, stop, sources=None)
             "norm_fit_error": float(readout.norm_fit_error),
             "head_error": float(readout.head_error),
             "scale": readout.scale,
+            **checked,
         },
     )
 
@@ -312,9 +305,11 @@ def attribute(
     plan = build_plan(model)
     targets = per_prompt(target, len(prompts), "target")
     contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
+    groups = _groups(model, plan, prompts, batch_size)
     batches = [
-        prepare(model, prompts[c], targets[c], None if contrasts is None else contrasts[c], position)
-        for c in _chunks(len(prompts), batch_size)
+        prepare(model, [prompts[i] for i in g], [targets[i] for i in g],
+                None if contrasts is None else [contrasts[i] for i in g], position)
+        for g in groups
     ]
     if sources is not None and by != "source":
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
@@ -334,7 +329,7 @@ def attribute(
         make_args = lambda b: (plan, b.positions, b.targets, b.contrasts, by, split, source_split.offsets(b))  # noqa: E731
     try:
         return _run_batches(model, plan, batches, direct_logit_attribution, make_args, by, remote, progress, tolerance,
-                            intervene=intervene, sources=split)
+                            intervene=intervene, sources=split, order=[i for g in groups for i in g])
     except ExactnessError as error:
         if intervene is None:
             raise
@@ -400,41 +395,12 @@ def attribute_direction(
     if direction.dim() == 2 and direction.shape[0] != len(prompts):
         raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
     directions = direction.expand(len(prompts), -1)
-    chunks = _chunks(len(prompts), batch_size)
-    batches = [prepare(model, prompts[c], 0, None, position) for c in chunks]
-    chunk_of = {id(b): c for b, c in zip(batches, chunks)}
+    groups = _groups(model, plan, prompts, batch_size)
+    batches = [prepare(model, [prompts[i] for i in g], 0, None, position) for g in groups]
+    group_of = {id(b): torch.as_tensor(g) for b, g in zip(batches, groups)}
     attr = _run_batches(
         model, plan, batches, direction_attribution,
-        lambda b: (plan, b.positions, directions[chunk_of[id(b)]], stop, reads, by), by, remote, progress, tolerance,
-        stop=stop,
+        lambda b: (plan, b.positions, directions[group_of[id(b)]], stop, reads, by), by, remote, progress, tolerance,
+        stop=stop, order=[i for g in groups for i in g],
     )
     return replace(attr, target_tokens=(), read_by=f"L{stop[0]}.{reads}")
-
-
-def check_exact(readout: Readout, plan, by: Granularity, model=None, tolerance: float | None = None) -> float:
-    """The self-check: raise ``ExactnessError`` unless ``values.sum(-1) + constant == logit``; return the error.
-
-    Also checks the family table's final head: the lm_head output through its logit scale and soft-cap must be the
-    model's output logits.
-    """
-    total = readout.values.sum(-1) + readout.constant
-    gaps = (total - readout.logit).abs()
-    error = float(gaps.max())
-    rtol = tolerance if tolerance is not None else TOLERANCE.get(_model_dtype(model), 1e-4)
-    bound = rtol * torch.clamp(readout.logit.abs(), min=1.0)
-    head_error = float(readout.head_error)
-    if head_error > float(rtol * torch.clamp(readout.output_logit.abs(), min=1.0).max()):
-        raise ExactnessError(
-            f"family {plan.family.name!r}: the family table's final head (logit scale {plan.logit_scale}, soft-cap "
-            f"{plan.softcap}) does not reproduce the model's output logits (off by {head_error:.3g}); fix its "
-            "logits_times / logits_over / softcap entry in dla_recipes/families.py"
-        )
-    if bool((gaps > bound).any()):
-        worst = int(torch.argmax(gaps / bound))
-        raise ExactnessError(
-            f"family {plan.family.name!r}: the parts sum to {float(total[worst]):.6g} but the model's own logit is "
-            f"{float(readout.logit[worst]):.6g} (prompt {worst}, error {float(gaps[worst]):.3g} > tolerance "
-            f"{float(bound[worst]):.3g}, by={by!r}). The family table entry does not describe what this model's "
-            "blocks add to the residual stream; dla_recipes refuses to return a wrong attribution."
-        )
-    return error

@@ -24,6 +24,11 @@ class ExactnessError(DLAError, RuntimeError):
     """The parts did not sum to the model's own logit: the family is mis-described, never silently wrong."""
 
 
+class NonFiniteError(ExactnessError):
+    """A NaN or inf in the model's numbers (its logits, a block's write, the stream, a frozen norm): the message names
+    the first place it appears and what to do (usually: load the model in bfloat16 or float32, not float16)."""
+
+
 class RemoteError(DLAError, RuntimeError):
     """A remote (NDIF) run failed: key, host, model or a server-side exception, named in the message."""
 

@@ -94,7 +94,7 @@ def probe_norm(norm, width: int | None = None) -> NormProbe:
             alternating *= (d_model / (d_model - 1)) ** 0.5
         probes[2] = alternating
         probes[3] = alternating * _SMALL_AMPLITUDE
-        out = norm(probes.to(device=device, dtype=dtype)).float().cpu()
+        out, dtype = _call_at_compute_precision(norm, probes.to(device), dtype)
         bias = out[0]
         centers = bool(torch.allclose(out[1], bias, rtol=1e-3, atol=1e-5 * max(1.0, float(bias.abs().max()))))
         unit, small = out[2] - bias, out[3] - bias
@@ -112,6 +112,22 @@ def probe_norm(norm, width: int | None = None) -> NormProbe:
             out_shifted = norm(shifted.to(device=device, dtype=dtype)[None]).float().cpu()[0] - bias
             gain[~mask] = out_shifted[~mask] / shifted[~mask] * (1.0 + eps) ** 0.5
     return NormProbe(bias=bias.to(device), gain=gain.to(device), centers=centers, eps=eps)
+
+
+def _call_at_compute_precision(norm, probes: torch.Tensor, dtype: torch.dtype):
+    """``(norm(probes) [4, d_model] float32 on the CPU, the dtype used)``, at the precision the norm computes in.
+
+    A low-precision norm is first called on float32 probes: a norm that computes in float32 (Llama's and Gemma's
+    RMSNorm upcast; Gemma's gain ``1 + w`` is formed in float32) then returns its gain unrounded, where a bfloat16
+    input would round ``1 + w`` to bfloat16 (up to 0.4% per channel). A norm that refuses a float32 input next to
+    its low-precision weights (``nn.LayerNorm`` on the CPU) is called in its own dtype, as the model calls it.
+    """
+    if dtype != torch.float32:
+        try:
+            return norm(probes).float().cpu(), torch.float32
+        except (RuntimeError, TypeError):
+            pass
+    return norm(probes.to(dtype)).float().cpu(), dtype
 
 
 def _width(module, width: int | None = None) -> int:

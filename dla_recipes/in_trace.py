@@ -42,7 +42,6 @@ import nnsight
 import torch
 from greenlet import getcurrent
 
-from .api import TOLERANCE, _model_dtype
 from .errors import TraceUsageError
 from .families import family_of
 from .inputs import prepare_encoding
@@ -66,7 +65,8 @@ class TracedAttribution:
     Attributes:
         plan, by: what was attributed (the labels come from them).
         prompts, target_tokens, contrast_tokens, positions: each row's text, tokens and own position.
-        tolerance: the self-check's relative tolerance (by the model's dtype unless given).
+        tolerance: a relative tolerance replacing the self-check's bound (derived from the precision the model
+            computed in, read in the trace, unless given).
         packed: ``[batch, n_components + 6]`` the recipe's output (``Readout.pack``), None until the trace has run.
     """
 
@@ -76,7 +76,7 @@ class TracedAttribution:
     target_tokens: tuple
     contrast_tokens: tuple | None
     positions: tuple
-    tolerance: float
+    tolerance: float | None
     packed: torch.Tensor | None = None
 
     def result(self) -> Attribution:
@@ -207,6 +207,11 @@ def trace_attribution(
         ``top``, ``to_frame``), self-checked against the edited model's own logit.
     """
     check_granularity(by)
+    if by == "source":
+        from .errors import InputError
+
+        raise InputError("trace_attribution does not split heads by source yet: use attribute(..., by='source', "
+                         "intervene=fn) for an edited forward pass, or by='head' here")
     placement = _placement(tracer)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
@@ -216,7 +221,7 @@ def trace_attribution(
     handle = TracedAttribution(
         plan=plan, by=by, prompts=batch.prompts, target_tokens=batch.target_tokens,
         contrast_tokens=batch.contrast_tokens, positions=batch.own_positions,
-        tolerance=tolerance if tolerance is not None else TOLERANCE.get(_model_dtype(model), 1e-4),
+        tolerance=tolerance,
     )
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
     if placement == "first":

@@ -32,7 +32,7 @@ functions by name (``from dla_recipes import direct_logit_attribution``): the mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +57,21 @@ class Readout:
         norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms), and with
             ``by="source"`` of a head output rebuilt from the attention pattern and values.
         scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
+
+    What the self-check (``check.py``) needs to bound the model's own rounding, all ``[batch]`` in logit units:
+        logit_size: ``b(z_target) + b(z_contrast)``, ``b(z) = 2^floor(log2 |z|)``: each logit is rounded at its own
+            size (by at most ``u * b(z)``), not at the size of their difference.
+        head_noise: ``sqrt(sum_i (y_i w_i)^2)``, ``y`` the final norm's output and ``w`` the head direction: the
+            scale of that output's rounding, carried to the logit.
+        stream_noise: ``s * sqrt(sum over adds, channels (x_i d_i)^2)``, ``x`` the stream around each residual add
+            and ``d`` the direction it is read in: the scale of the adds' rounding, carried to the logit.
+        split_gap: over the split terms (heads, neurons), the projection's own output read along the term's
+            direction minus its parts and bias: the rounding of the projection's low-precision output.
+        split_noise: ``sqrt(sum over split terms, channels (o_i u_i)^2)`` of those outputs ``o``: its scale.
+        finite_head: 1 where the head direction (final norm gain, ``lm_head`` rows) is finite, else 0.
+        first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
+        unit_roundoff: ``u`` of the dtype the model computed in, read where it ran (server side on NDIF, where the
+            client's model has no weights and may not know it); 0 when unknown.
     """
 
     values: torch.Tensor
@@ -66,11 +81,21 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
     scale: torch.Tensor
+    logit_size: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    head_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
+    first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
+    unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
-    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale")
+    _SCALARS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
+                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head", "first_nonfinite",
+                "unit_roundoff")
 
     def pack(self) -> torch.Tensor:
-        """``[batch, n_components + 6]`` float32: everything in one tensor, the cheapest thing to send back."""
+        """``[batch, n_components + 13]`` float32: everything in one tensor, the cheapest thing to send back."""
         batch = self.values.shape[0]
         extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self._SCALARS]
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
@@ -216,6 +241,8 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
             data["output_gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.output_gate), "output", batch),
                                                     rows, positions))
+        if term.then is None:  # the projection's own (low-precision) output: what its parts' rounding is read against
+            data["own"] = _at(read_site(module_at(layer, term.projection), "output", batch), rows, positions).flatten(1)
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -522,6 +549,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
         else:
             parts = (data["inputs"] * pulled.to(data["inputs"].device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
         rest = rest + bias
+        if "own" in data:  # the projection's rounding: its own output along u, minus its parts and bias
+            own = data["own"] * u.to(data["own"].device)
+            data["split"] = (own.sum(-1) - parts.sum(-1) - torch.as_tensor(bias).to(own.device), (own * own).sum(-1))
     else:
         parts, bias = _expert_scores(layer, planned, mode, data, u)
         rest = rest + bias
@@ -530,12 +560,13 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, data: dict, v: tor
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
-                 split=None):
+                 split=None, splits: list | None = None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
     ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split`` (``by="source"``):
-    ``(heads -> which heads are split, offsets [batch], source count)``.
+    ``(heads -> which heads are split, offsets [batch], source count)``. ``splits`` collects each split term's
+    ``("split", rounding gap [batch], squared noise [batch])`` (``Readout.split_gap``).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -565,6 +596,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         before, after = datas[k].get("stream_norm"), datas[k].get("stream_norm_after")
         scores.append((score, datas[k].get("hyper"), before.scale if before is not None else None,
                        (after.scale, after_constant) if after is not None else None))
+        if splits is not None and "split" in datas[k]:
+            splits.append(("split", *datas[k]["split"]))
     return scores
 
 
@@ -598,13 +631,17 @@ def _scaled(scores: list, scale: torch.Tensor) -> list:
 
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
               stop: Stop | None = None, sources: Sources | None = None,
-              offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+              offsets: torch.Tensor | None = None, splits: list | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
     each prompt's own tokens start in the padded sequence.
 
-    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors.
+    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
+    ``splits`` (a list) collects what the model's own rounding is bounded with, unscaled: the split terms'
+    ``("split", gap, squared noise)`` (see ``layer_scores``) and, after each whole block, ``("stream", squared
+    noise)``: the stream around the block's adds, ``max(|before|, |after|)`` per channel, read along the direction
+    there, squared, times the number of adds.
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -615,12 +652,13 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     carried = [None]  # parallel streams: each score group's weight on every stream [batch, streams]
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
+    previous = embed  # the stream before the block (its rounding bound, ``splits``)
     for i, terms in enumerate(plan.terms_before(stop)):
         split = None
         if by == "source":
             split = (lambda heads, i=i: sources.split(i, heads), offsets, sources.count)
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
-                                                        fit_errors, split):
+                                                        fit_errors, split, splits):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = _scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -632,12 +670,23 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
                 scores = _scaled(scores, after[0])
                 scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
+        if splits is not None and per_layer[i] and (stop is None or i < stop[0]):
+            stream_after = _at(read_site(model.layers[i], "output"), rows, positions)
+            splits.append(("stream", len(terms) * _stream_sumsq(previous, stream_after, per_layer[i][-1][0])))
+            previous = stream_after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         collapse = plan.family.collapse_weights(head, _at(head.input, rows, positions))  # [batch, streams]
         weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
     return torch.cat(scores, -1), fit_errors
+
+
+def _stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[batch]``: ``sum((max(|before|, |after|) * v)^2)`` in float64 (streams ``[batch, (streams,) d_model]``)."""
+    size = torch.maximum(before.abs(), after.to(before.device).abs()).double()
+    v = v.to(size.device).double()
+    return ((size * (v.unsqueeze(-2) if size.dim() == 3 else v)) ** 2).flatten(1).sum(-1).float()
 
 
 def direct_logit_attribution(
@@ -665,13 +714,15 @@ def direct_logit_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
-        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets)
+        splits: list = []
+        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, splits=splits)
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
             stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]
-        normed = _at(normed, rows, positions - (stream.shape[1] - normed.shape[1]))
-        final: FrozenNorm = probe.freeze(_at(stream, rows, positions), normed)
+        x = _at(stream, rows, positions)
+        y = _at(normed, rows, positions - (stream.shape[1] - normed.shape[1]))
+        final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
         head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
@@ -690,6 +741,10 @@ def direct_logit_attribution(
             )
             logit = logit - picked_contrast * plan.logit_scale
             out = out - out_contrast
+        head_rows = model.lm_head.weight[targets.to(model.lm_head.weight.device)].float()
+        if contrasts is not None:
+            head_rows = head_rows - model.lm_head.weight[contrasts.to(model.lm_head.weight.device)].float()
+        size = (_binade(picked) + (_binade(picked_contrast) if contrasts is not None else 0.0)) * abs(plan.logit_scale)
         return Readout(
             values=values.cpu(),
             constant=constant.cpu(),
@@ -698,7 +753,54 @@ def direct_logit_attribution(
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=final.scale.cpu(),
+            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, splits, size, scores,
+                              computed_in=model.lm_head.weight.dtype),
         )
+
+
+def _binade(x: torch.Tensor) -> torch.Tensor:
+    """``2^floor(log2 |x|)`` (0 at 0): a value read in a low precision is off by at most ``u`` times this."""
+    mantissa, exponent = torch.frexp(x.float())
+    return torch.where(x == 0, torch.zeros_like(mantissa), torch.ldexp(torch.ones_like(mantissa), exponent - 1))
+
+
+def rounding_scales(stream, direction, scale, output, head, splits, size, scores, extra_adds: int = 0,
+                    computed_in: torch.dtype = torch.float32) -> dict:
+    """The ``Readout`` fields the self-check bounds the model's own rounding with (all ``[batch]``, on the CPU).
+
+    ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
+    the norm's output read along ``head``; ``splits`` the split terms' unscaled ``(gap, squared noise)``; ``size``
+    the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
+    ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with ``stream``;
+    ``computed_in`` the dtype the model computed in (``unit_roundoff``).
+    """
+    def norm2(a, b):  # in float64: squares of large finite activations must not overflow
+        return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
+
+    scale = scale.to(stream.device)
+    zero = torch.zeros(stream.shape[0], device=stream.device)
+    gap = sum((e[1].to(stream.device) for e in splits if e[0] == "split"), zero) * scale
+    noise = sum((e[2].to(stream.device) for e in splits if e[0] == "split"), zero).sqrt() * scale.abs()
+    adds = sum((e[1].to(stream.device) for e in splits if e[0] == "stream"), zero)
+    adds = adds + extra_adds * norm2(stream, direction).to(adds.device) ** 2  # adds after the last whole block
+    finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
+    return {
+        "unit_roundoff": torch.full((stream.shape[0],), torch.finfo(computed_in).eps / 2),
+        "logit_size": torch.as_tensor(size, dtype=torch.float32).expand(stream.shape[0]).cpu(),
+        "head_noise": norm2(output, head).cpu(),
+        "stream_noise": (adds.sqrt() * scale.abs()).cpu(),
+        "split_gap": gap.cpu(),
+        "split_noise": noise.cpu(),
+        "finite_head": finite.float().cpu(),
+        "first_nonfinite": _first_nonfinite(scores).cpu(),
+    }
+
+
+def _first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
+    """``[batch]`` float: the first column of ``scores`` that is not finite, or -1."""
+    bad = ~torch.isfinite(scores)
+    first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
+    return torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
 
 
 def direction_attribution(
@@ -723,7 +825,9 @@ def direction_attribution(
         norm = module_at(model.layers[stop[0]], reads)
         probe = probe_norm(norm, direction.shape[-1])
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
-        scores, fit_errors = decompose(model, plan, probe.center(probe.gain * v), positions, by, stop)
+        splits: list = []
+        pulled = probe.center(probe.gain * v)
+        scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, splits=splits)
         stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)
         output = _at(read_site(norm, "output", positions.shape[0]), rows, positions)
         frozen = probe.freeze(stream, output)
@@ -737,4 +841,7 @@ def direction_attribution(
             head_error=torch.zeros(()),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=frozen.scale.cpu(),
+            **rounding_scales(stream, pulled, frozen.scale, output, v, splits, 0.0, scores,
+                              len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
+                              computed_in=model.lm_head.weight.dtype),
         )

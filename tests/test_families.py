@@ -47,10 +47,23 @@ def test_logit_is_the_plain_forward_logit(family):
 
 
 @pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if not dla_recipes.family_of(tiny.config(f)).padding_safe])
-def test_padding_unsafe_family_warns_on_a_padded_batch(family):
+def test_padding_unsafe_family_gives_each_prompt_its_own_logit(family):
+    """Prompts of different lengths are never padded together on these families: each prompt's parts sum to a plain
+    forward of that prompt alone, with no warning, in the user's order."""
+    import warnings
+
     model = tiny_model(family)
-    with pytest.warns(UserWarning, match="left padding changes this family's outputs"):
-        dla_recipes.attribute(model, PROMPTS, TARGET)
+    plan = dla_recipes.build_plan(model)
+    target = model.tokenizer.convert_tokens_to_ids(TARGET)
+    prompts = PROMPTS + ["w17 w18"]  # two prompts of one length still share a batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attr = dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=2)
+    assert attr.prompts == tuple(prompts)
+    for i, prompt in enumerate(prompts):
+        expected = float(plain_logits(model, prompt)[-1, target])
+        total = float(_softcap(attr.values[i].sum() + attr.constant[i], plan.softcap))
+        assert total == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected))), (prompt, total, expected)
 
 
 def _padded_last_logits(model, prompts) -> torch.Tensor:

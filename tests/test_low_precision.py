@@ -33,6 +33,8 @@ def test_bfloat16_model_is_attributed_in_float32(family, monkeypatch):
     sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
     assert whole.values.dtype == torch.float32
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
-    # the parts sum to the model's own bfloat16 logit within the bfloat16 tolerance (attribute checks it too)
-    bound = dla_recipes.api.TOLERANCE[torch.bfloat16] * torch.clamp(whole.logit.abs(), min=1.0)
-    assert bool(((whole.values.sum(-1) + whole.constant - whole.logit).abs() <= bound).all())
+    # the parts sum to the model's own bfloat16 logit within the bound its bfloat16 rounding allows (attribute checks
+    # it too): the split projections' own rounding is reported apart, as diagnostics["split_rounding"]
+    bound, split = whole.diagnostics["bound"], whole.diagnostics["split_rounding"]
+    assert bool(((whole.values.sum(-1) + whole.constant + split - whole.logit).abs() <= bound).all())
+    assert bool((bound < 0.1 * torch.clamp(whole.logit.abs(), min=1.0)).all())

@@ -1,0 +1,246 @@
+"""Trust in every precision: non-finite numbers never pass, no false alarm from rounding, real mismatches caught.
+
+The self-check (``dla_recipes/check.py``) compares the parts with the model's own logit within a bound derived from
+the precision the model computed in. These tests break a model on purpose (a NaN weight, a float16 overflow, a
+vector added to one block's output by a forward hook on the torch module, a write no component makes) and check
+that each is refused with the right error, in float32 and in bfloat16, and that healthy low-precision models pass.
+"""
+
+import pytest
+import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
+
+import dla_recipes
+from dla_recipes import batching, check
+from dla_recipes.testing import tiny
+
+
+def _tiny(family: str, dtype=torch.float32):
+    return dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(), device_map="cpu")
+
+
+# --- non-finite numbers --------------------------------------------------------------------------------------------
+
+def test_a_nan_weight_raises_nonfinite_naming_the_block():
+    model = _tiny("llama")
+    with torch.no_grad():
+        model._module.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L1\.mlp'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L1\.N\d+'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="neuron")
+
+
+def test_a_nan_head_row_names_the_head_direction():
+    model = _tiny("llama")
+    target = model.tokenizer.convert_tokens_to_ids(TARGET)
+    with torch.no_grad():
+        model._module.lm_head.weight[target, 0] = float("nan")
+    with pytest.raises(dla_recipes.NonFiniteError, match="head direction"):
+        dla_recipes.attribute(model, PROMPTS, TARGET)
+
+
+def test_float16_overflow_raises_nonfinite_and_says_to_use_bfloat16():
+    model = _tiny("gemma3", torch.float16)
+    with torch.no_grad():  # activations past float16's 65504, as on Gemma-3-270M loaded in float16
+        model._module.model.layers[0].mlp.up_proj.weight.mul_(3e3)
+        model._module.model.layers[0].mlp.down_proj.weight.mul_(3e3)
+    with pytest.raises(dla_recipes.NonFiniteError, match=r"'L0\.mlp'.*load it in bfloat16 or float32") as info:
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    assert isinstance(info.value, dla_recipes.ExactnessError)  # one except clause catches both
+
+
+# --- a write no component makes --------------------------------------------------------------------------------------
+
+def _add_to_block_output(model, layer: int, fraction: float, direction: torch.Tensor):
+    """A forward hook on block ``layer``'s torch module adding ``direction`` (a unit vector) times ``fraction`` times
+    the stream's mean norm to its output at every position: a write no component makes. Returns the handle."""
+    block = model._module.model.layers[layer]
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        size = fraction * hidden.float().norm(dim=-1).mean()
+        moved = hidden + (size * direction).to(hidden.dtype)
+        return (moved, *output[1:]) if isinstance(output, tuple) else moved
+
+    return block.register_forward_hook(hook)
+
+
+def _unit(vector: torch.Tensor) -> torch.Tensor:
+    return vector.float() / vector.float().norm()
+
+
+def _caught(model, prompts, target, contrast, layer, fraction, direction, message=None):
+    handle = _add_to_block_output(model, layer, fraction, direction)
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match=message) as info:
+            dla_recipes.attribute(model, prompts, target, contrast=contrast, by="head")
+        assert not isinstance(info.value, dla_recipes.NonFiniteError)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_vector_added_to_a_block_output_is_caught(family, dtype):
+    """Along the logit's own head direction (the write that matters most): 0.1% of the stream's norm in float32,
+    5% in bfloat16 (measured: caught from 3%; SmolLM2 below catches random directions)."""
+    model = _tiny(family, dtype)
+    dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")  # healthy: passes
+    ids = model.tokenizer.convert_tokens_to_ids([TARGET, CONTRAST])
+    weight = model._module.lm_head.weight
+    direction = _unit(weight[ids[0]] - weight[ids[1]])
+    _caught(model, PROMPTS, TARGET, CONTRAST, 0, 1e-3 if dtype == torch.float32 else 5e-2, direction)
+    _caught(model, PROMPTS, TARGET, CONTRAST, 0, 0.5, direction, "far beyond")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_random_vector_added_to_a_smollm2_block_is_caught(dtype):
+    """SmolLM2-135M: a fixed random direction, 0.3% of the stream's norm in float32, 5% in bfloat16 (measured over
+    4 random directions: all caught from 3% in bfloat16, 2 of 4 at 1%; all from 0.1% in float32)."""
+    from dla_recipes import models
+
+    model = dla_recipes.load(str(models.default_model_path()), dtype=dtype, dispatch=True)
+    prompts = ["The Eiffel Tower is in the city of", "The Vatican is in"]
+    dla_recipes.attribute(model, prompts, [" Paris", " the"], contrast=[" Rome", " a"], by="head")
+    direction = _unit(torch.randn(model._module.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+    _caught(model, prompts, [" Paris", " the"], [" Rome", " a"], 15, 3e-3 if dtype == torch.float32 else 5e-2,
+            direction)
+
+
+def test_a_gap_near_the_rounding_blames_precision(monkeypatch):
+    model = _tiny("llama", torch.bfloat16)
+    monkeypatch.setattr(check, "SIGMAS", 0.0)  # a bound without the stream's rounding: the gap is rounding
+    monkeypatch.setattr(check, "FLOAT32_RTOL", 1e-9)
+    with pytest.raises(dla_recipes.ExactnessError, match="precision is the likely cause"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block")
+
+
+# --- precision-derived bound and diagnostics ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_low_precision_models_pass_with_a_bound_from_their_rounding(family, dtype):
+    model = _tiny(family, dtype)
+    for by in ("block", "head", "neuron"):
+        attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+        bound, split = attr.diagnostics["bound"], attr.diagnostics["split_rounding"]
+        gaps = (attr.total + split - attr.logit).abs()
+        assert bool((gaps <= bound).all())
+        assert bool((bound < 0.1 * torch.clamp(attr.logit.abs(), min=1.0)).all())  # a bound, not a blank cheque
+        if by == "block":
+            assert bool((split == 0).all())
+        else:  # the projections' own rounding is reported, not hidden in the gap
+            assert bool((split != 0).any())
+
+
+def test_float32_bound_is_the_float32_tolerance():
+    model = _tiny("llama")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    expected = 1e-4 * torch.clamp(attr.logit.abs(), min=1.0)
+    torch.testing.assert_close(attr.diagnostics["bound"], expected, rtol=1e-3, atol=1e-7)
+
+
+def test_gemma_norm_gain_is_read_in_float32():
+    """Gemma's RMSNorm forms ``1 + w`` in float32: the probe must not round it to bfloat16."""
+    model = _tiny("gemma3", torch.bfloat16)
+    norm = model._module.model.norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.3, 0.7, norm.weight.numel()).to(torch.bfloat16))
+    probe = dla_recipes.probe_norm(norm)
+    expected = 1.0 + norm.weight.float()
+    expected = expected.detach()
+    assert float((probe.gain - expected).abs().max()) < 1e-5
+    assert float((expected.to(torch.bfloat16).float() - expected).abs().max()) > 1e-4  # what rounding would cost
+
+
+def _captured_run(hf, prompt_ids, sites):
+    """A plain forward of ``hf`` with forward hooks (no nnsight): ``{name: value at the last position}``."""
+    seen, handles = {}, []
+    for name, (module, io) in sites.items():
+        if io == "input":
+            def pre(module, args, kwargs, name=name):
+                seen[name] = (args[0] if args else kwargs["hidden_states"])[0, -1].detach()
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            def post(module, args, output, name=name):
+                seen[name] = (output[0] if isinstance(output, tuple) else output)[0, -1].detach()
+            handles.append(module.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            hf(**prompt_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bfloat16_parts_match_a_float64_recomputation(family):
+    """Each block part of a bfloat16 model equals a float64 recomputation from the same run's own bfloat16 writes
+    and the same bfloat16 weights (the final norm's gain ``w`` or Gemma's ``1 + w`` in float64, its scale from the
+    bfloat16 stream), to 1e-3 of the largest part: the float32 arithmetic and the probed gain lose nothing."""
+    model = _tiny(family, torch.bfloat16)
+    hf = model._module
+    norm = hf.model.norm
+    with torch.no_grad():  # a gain far from 1, where rounding 1 + w to bfloat16 costs up to 0.4% per channel
+        norm.weight.copy_(torch.linspace(-0.45, 0.8, norm.weight.numel()).to(torch.bfloat16))
+    post = {"gemma3": ("post_attention_layernorm", "post_feedforward_layernorm")}.get(family)
+    sites = {"embed": (hf.model.layers[0], "input"), "final": (norm, "input")}
+    for i, layer in enumerate(hf.model.layers):
+        sites[f"L{i}.attn"] = (getattr(layer, post[0]) if post else layer.self_attn, "output")
+        sites[f"L{i}.mlp"] = (getattr(layer, post[1]) if post else layer.mlp, "output")
+    ids = model.tokenizer.convert_tokens_to_ids([TARGET, CONTRAST])
+    head = (hf.lm_head.weight[ids[0]].double() - hf.lm_head.weight[ids[1]].double()).detach()
+    gain = norm.weight.double().detach() + (1.0 if family == "gemma3" else 0.0)
+    eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+    for prompt in PROMPTS:
+        seen = _captured_run(hf, model.tokenizer(prompt, return_tensors="pt"), sites)
+        x = seen["final"].double()
+        scale = 1.0 / torch.sqrt((x * x).mean() + eps)
+        attr = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="block")
+        expected = torch.stack([scale * (seen[label].double() * gain * head).sum() for label in attr.labels])
+        worst = float((attr.values[0].double() - expected.detach()).abs().max())
+        assert worst <= 1e-3 * float(expected.abs().max()), (prompt, worst, float(expected.abs().max()))
+
+
+# --- batching ----------------------------------------------------------------------------------------------------------
+
+def test_group_prompts_never_pads_an_unsafe_family():
+    lengths = [3, 2, 3, 4, 2, 3]
+    assert batching.group_prompts(lengths, None, True) == [[0, 1, 2, 3, 4, 5]]
+    assert batching.group_prompts(lengths, 4, True) == [[0, 1, 2, 3], [4, 5]]
+    assert batching.group_prompts(lengths, None, False) == [[0, 2, 5], [1, 4], [3]]
+    assert batching.group_prompts(lengths, 2, False) == [[0, 2], [5], [1, 4], [3]]
+    for size in (None, 1, 2, 5):
+        groups = batching.group_prompts(lengths, size, False)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(len({lengths[i] for i in g}) == 1 for g in groups)
+
+
+def test_results_come_back_in_the_users_order_on_an_unsafe_family():
+    model = tiny.standardized("recurrent_gemma")
+    prompts = PROMPTS + ["w17 w18"]  # two of the same length share a batch
+    attr = dla_recipes.attribute(model, prompts, [TARGET, CONTRAST, TARGET, CONTRAST], batch_size=3)
+    assert attr.prompts == tuple(prompts)
+    for i, prompt in enumerate(prompts):
+        alone = dla_recipes.attribute(model, prompt, attr.target_tokens[i])
+        torch.testing.assert_close(attr.values[i], alone.values[0], rtol=1e-5, atol=1e-5)
+        token = model.tokenizer.convert_tokens_to_ids(attr.target_tokens[i].strip() or attr.target_tokens[i])
+        expected = float(plain_logits(model, prompt)[-1, token])
+        assert float(attr.output_logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
+
+
+def test_a_sample_of_the_false_alarm_sweep_raises_no_false_alarm():
+    """12 calls of ``benchmarks/false_alarms.py`` on SmolLM2 in bfloat16 (the script runs >= 200 per model and dtype),
+    including " the" - " a" on "The Vatican is in" and " Paris" - " Rome": small differences of large logits."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "false_alarms.py"
+    spec = importlib.util.spec_from_file_location("dla_false_alarms", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    result = sweep.sweep("smollm2", torch.bfloat16, "cpu", 12, 6)
+    assert result["calls"] == 12 and result["counts"] == {"ok": 12}, result["counts"]
+    assert result["max_gap_over_bound"] < 1.0
