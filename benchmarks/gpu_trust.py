@@ -67,31 +67,31 @@ def check_family(family: str, dtype, device: str, granularities) -> list[dict]:
             row.update(outcome="crash", message=f"{type(error).__name__}: {error}"[:400],
                        trace=traceback.format_exc()[-1500:])
         rows.append(row)
-    # Detection: a write no component makes, added to a middle block's output.
-    layers = model._module.model.layers if hasattr(model._module, "model") else None
-    if layers is not None and len(layers) > 1:
-        block = layers[len(layers) // 2]
+    # Detection: a write no component makes, added to a middle block's output, at two sizes (of the stream's norm).
+    if len(model.layers) > 1:
+        block = model.layers[len(model.layers) // 2]._module
+        for size in (0.05, 0.3):
 
-        def inject(_module, _args, output):
-            hidden = output[0] if isinstance(output, tuple) else output
-            push = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(0)).to(hidden)
-            push = push / push.norm() * 0.05 * hidden.float().norm(dim=-1, keepdim=True).to(hidden.dtype)
-            hidden = hidden + push
-            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+            def inject(_module, _args, output, size=size):
+                hidden = output[0] if isinstance(output, tuple) else output
+                push = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(0)).to(hidden)
+                push = push / push.norm() * size * hidden.float().norm(dim=-1, keepdim=True).to(hidden.dtype)
+                hidden = hidden + push
+                return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
-        handle = block.register_forward_hook(inject)
-        row = {"family": family, "dtype": str(dtype).removeprefix("torch."), "by": "block", "injected": 0.05}
-        try:
-            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
-            row["outcome"] = "missed"
-        except ExactnessError as error:
-            row["outcome"] = "caught"
-            row["message"] = str(error)[:300]
-        except Exception as error:  # noqa: BLE001
-            row.update(outcome="crash", message=f"{type(error).__name__}: {error}"[:400])
-        finally:
-            handle.remove()
-        rows.append(row)
+            handle = block.register_forward_hook(inject)
+            row = {"family": family, "dtype": str(dtype).removeprefix("torch."), "by": "block", "injected": size}
+            try:
+                dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+                row["outcome"] = "missed"
+            except ExactnessError as error:
+                row["outcome"] = "caught"
+                row["message"] = str(error)[:300]
+            except Exception as error:  # noqa: BLE001
+                row.update(outcome="crash", message=f"{type(error).__name__}: {error}"[:400])
+            finally:
+                handle.remove()
+            rows.append(row)
     return rows
 
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                              "message": f"{type(error).__name__}: {error}"[:400]})
     summary: dict = {}
     for row in rows:
-        key = f"{row.get('dtype')}:{row['outcome']}"
+        key = f"{row.get('dtype')}:{row['outcome']}" + (f"@{row['injected']}" if "injected" in row else "")
         summary[key] = summary.get(key, 0) + 1
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     result = {"device": device_name, "torch": torch.__version__, "seconds": round(time.monotonic() - start, 1),
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     Path(args.out, "gpu_trust.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(summary, indent=1))
     for row in rows:
-        if row["outcome"] not in ("ok", "caught"):
+        if row["outcome"] not in ("ok", "caught", "missed"):
             print(row["family"], row.get("dtype"), row.get("by"), row["outcome"], row.get("message", "")[:200])
     print(f"{len(rows)} rows in {result['seconds']} s on {device_name}")
     return 0

@@ -65,6 +65,10 @@ class NormProbe:
         """``center(x)`` on the last axis: the mean removed if the norm centers, ``x`` unchanged otherwise."""
         return _center(x) if self.centers else x
 
+    def to(self, device) -> "NormProbe":
+        """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU)."""
+        return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps)
+
     def freeze(self, stream: torch.Tensor, output: torch.Tensor | None = None, norm=None) -> "FrozenNorm":
         """Freeze the scale at ``stream`` ``[..., d_model]``; ``output`` is the norm's real output there (or call ``norm``)."""
         return FrozenNorm(norm, stream, output=output, probe=self)
@@ -169,7 +173,7 @@ class FrozenNorm(torch.nn.Module):
 
     def __init__(self, norm, stream: torch.Tensor, output: torch.Tensor | None = None, probe: NormProbe | None = None):
         torch.nn.Module.__init__(self)  # explicit: nnsight ships this class by source, without a __class__ cell
-        probe = probe if probe is not None else probe_norm(norm, stream.shape[-1])
+        probe = (probe if probe is not None else probe_norm(norm, stream.shape[-1])).to(stream.device)
         with torch.no_grad():
             if output is None:
                 output = norm(stream)

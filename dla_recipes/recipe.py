@@ -142,7 +142,7 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
             constant: torch.Tensor | float = 0.0
             after: torch.Tensor | float = 0.0  # a norm right after the add: its bias, then its static part
             if term.stream_norm_after is not None:
-                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1])
+                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1]).to(v.device)
                 after = _dot(v, probe.bias.to(v.device))
                 v = probe.center(probe.gain.to(v.device) * v)
             if term.stream_scale is not None:
@@ -154,7 +154,7 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
             if term.stream_bias is not None:
                 constant = _dot(v_before, _param(layer, term.stream_bias))
             if term.stream_norm is not None:  # its static part; its scale is read in the trace (decompose)
-                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1])
+                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1]).to(v.device)
                 constant = constant + _dot(v_before, probe.bias.to(v_before.device))
                 v_before = probe.center(probe.gain.to(v_before.device) * v_before)
             entries.append((v, constant, after))
@@ -238,11 +238,11 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         data.update(_read_sources(layer, planned, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+        if term.then is None:  # the projection's own (low-precision) output: what its parts' rounding is read against
+            data["own"] = _at(read_site(module_at(layer, term.projection), "output", batch), rows, positions).flatten(1)
         if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
             data["output_gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.output_gate), "output", batch),
                                                     rows, positions))
-        if term.then is None:  # the projection's own (low-precision) output: what its parts' rounding is read against
-            data["own"] = _at(read_site(module_at(layer, term.projection), "output", batch), rows, positions).flatten(1)
     else:
         if term.shared is not None and term.shared_first:
             data["shared"] = _at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
@@ -606,6 +606,7 @@ def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.T
     width = model.lm_head.weight.shape[-1]
     probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
     weight = model.lm_head.weight
+    probe = probe.to(weight.device)  # a norm without parameters (OLMo, nanochat) is probed on the CPU
     rows = weight[targets.to(weight.device)].float()
     bias = getattr(model.lm_head, "bias", None)
     head_bias = bias[targets.to(bias.device)].float() if bias is not None else 0.0
@@ -823,7 +824,7 @@ def direction_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         norm = module_at(model.layers[stop[0]], reads)
-        probe = probe_norm(norm, direction.shape[-1])
+        probe = probe_norm(norm, direction.shape[-1]).to(model.lm_head.weight.device)
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         splits: list = []
         pulled = probe.center(probe.gain * v)

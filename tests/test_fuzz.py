@@ -266,15 +266,9 @@ def _draw(rng: random.Random, family: str):
 
 FUZZ_FAMILIES = ["llama", "gpt2", "gemma2", "mixtral"]
 DRAWS_PER_FAMILY = 25
-# A padding-unsafe family (its recurrent state reads the pad tokens): a padded prompt's answer is not a plain
-# forward of that prompt until padded batches are grouped by length (issue 11, item 3). Strict: this fails as
-# XPASS once that lands, so the marker is removed then, not forgotten.
-PADDING_UNSAFE = pytest.param(
-    "recurrent_gemma",
-    marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason="issue 11 item 3: padded prompts of a padding-unsafe family"
-    ),
-)
+# A padding-unsafe family (its recurrent state reads the pad tokens): attribute runs its prompts grouped by length,
+# so each padded-looking batch still gives every prompt its own logit (checked against a plain forward alone).
+PADDING_UNSAFE = "recurrent_gemma"
 
 
 @pytest.mark.parametrize("family", FUZZ_FAMILIES + [PADDING_UNSAFE])
