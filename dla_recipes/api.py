@@ -225,11 +225,12 @@ def _assemble(model, plan, batches, readouts, by, tolerance, stop, sources=None)
         head_error=torch.stack([r.head_error for r in readouts]).max(),
         norm_fit_error=torch.stack([r.norm_fit_error for r in readouts]).max(),
     )
-    error, checked = self_check(readout, plan, by, model_dtype(model), tolerance, labels=plan.labels(by, stop, sources))
+    labels = plan.labels(by, stop, sources)  # built once: by="neuron" on a large model has ~10^5-10^6 of them
+    error, checked = self_check(readout, plan, by, model_dtype(model), tolerance, labels=labels)
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Attribution(
         values=readout.values,
-        labels=plan.labels(by, stop, sources),
+        labels=labels,
         constant=readout.constant,
         logit=readout.logit,
         output_logit=readout.output_logit,
