@@ -207,19 +207,19 @@ def _frozen(norm, rows, positions, batch: int) -> FrozenNorm:
     return probe.freeze(stream, _at(read_site(norm, "output", batch), rows, positions))
 
 
-def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions) -> dict:
+def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True) -> dict:
     """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``)."""
     term, batch = planned.term, rows.shape[0]
     data: dict = {}
     if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
         data["stream_norm"] = _frozen(module_at(layer, term.stream_norm), rows, positions, batch)
-    data.update(_read_value(layer, planned, mode, rows, positions))
+    data.update(_read_value(layer, planned, mode, rows, positions, own))
     if term.stream_norm_after is not None:  # ... and a norm right after the add, after it
         data["stream_norm_after"] = _frozen(module_at(layer, term.stream_norm_after), rows, positions, batch)
     return data
 
 
-def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) -> dict:
+def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True) -> dict:
     """The term's own reads (its value, or what its split needs), in forward order."""
     term, batch = planned.term, rows.shape[0]
     data: dict = {}
@@ -238,7 +238,7 @@ def _read_value(layer, planned: PlannedTerm, mode: str | None, rows, positions) 
         data.update(_read_sources(layer, planned, rows, positions))
     elif mode in ("heads", "neurons"):
         data["inputs"] = _at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
-        if term.then is None:  # the projection's own (low-precision) output: what its parts' rounding is read against
+        if own and term.then is None:  # the projection's own (low-precision) output: its parts' rounding
             data["own"] = _at(read_site(module_at(layer, term.projection), "output", batch), rows, positions).flatten(1)
         if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
             data["output_gate"] = torch.sigmoid(_at(read_site(module_at(layer, term.output_gate), "output", batch),
@@ -576,7 +576,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
     datas, outers = [], {}
     for k, planned in enumerate(terms):
-        datas.append(read_term(layer, planned, modes[k], rows, positions))
+        datas.append(read_term(layer, planned, modes[k], rows, positions, own=splits is not None))
         for path, last in last_user.items():
             if last == k:
                 outers[path] = _frozen(module_at(layer, path), rows, positions, rows.shape[0])
@@ -715,7 +715,9 @@ def direct_logit_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0])
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
-        splits: list = []
+        # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
+        # far below the float32 floor of the check, and the reads cost time on small models)
+        splits: list | None = [] if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, splits=splits)
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
@@ -780,6 +782,7 @@ def rounding_scales(stream, direction, scale, output, head, splits, size, scores
 
     scale = scale.to(stream.device)
     zero = torch.zeros(stream.shape[0], device=stream.device)
+    splits = splits or []
     gap = sum((e[1].to(stream.device) for e in splits if e[0] == "split"), zero) * scale
     noise = sum((e[2].to(stream.device) for e in splits if e[0] == "split"), zero).sqrt() * scale.abs()
     adds = sum((e[1].to(stream.device) for e in splits if e[0] == "stream"), zero)
@@ -826,7 +829,9 @@ def direction_attribution(
         norm = module_at(model.layers[stop[0]], reads)
         probe = probe_norm(norm, direction.shape[-1]).to(model.lm_head.weight.device)
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
-        splits: list = []
+        # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
+        # far below the float32 floor of the check, and the reads cost time on small models)
+        splits: list | None = [] if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         pulled = probe.center(probe.gain * v)
         scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, splits=splits)
         stream = _at(read_site(norm, "input", positions.shape[0]), rows, positions)
