@@ -334,7 +334,7 @@ def attribute(
     except ExactnessError as error:
         if intervene is None:
             raise
-        raise ExactnessError(f"{error}\n\n{EDIT_HINT}") from error
+        raise type(error)(f"{error}\n\n{EDIT_HINT}") from error  # NonFiniteError stays one
 
 
 # What an ExactnessError most likely means when the forward pass was edited.
