@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -36,6 +37,18 @@ def plain_logits(model, prompt: str) -> torch.Tensor:
     ids = model.tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
         return hf(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"]).logits[0].float()
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """Run torch single-threaded, as the loopback NDIF server computes: float reductions depend on the thread count,
+    so a bit-exact remote == local comparison needs the local forward single-threaded too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def tolerance(logit: torch.Tensor) -> torch.Tensor:

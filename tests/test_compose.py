@@ -16,7 +16,7 @@ import secrets
 import nnsight
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
+from conftest import CONTRAST, PROMPTS, TARGET, single_threaded, tiny_model, tolerance
 
 import dla_recipes
 from dla_recipes import TraceUsageError, models
@@ -329,16 +329,6 @@ def server(tmp_path_factory):
     tiny.tokenizer().save_pretrained(folder)
     with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16)) as running:
         yield running
-
-
-@contextlib.contextmanager
-def single_threaded():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def zero_l1h1(model):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dla_recipes  # noqa: F401  (compat shim before nnterp)
+from conftest import single_threaded
 from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port, standardized_model
 
 VOCAB = 64  # words w0..w63, then [UNK], [PAD]
@@ -91,17 +92,6 @@ def _last_record(server, **expected):
 
 
 @contextlib.contextmanager
-def _server_threads():
-    """Run local forwards with the server's intra-op thread count (1), so float reductions match bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
 def _stdout():
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
@@ -135,7 +125,7 @@ def test_remote_equals_local(server, remote_models, local_models, name):
         with remote.trace(PROMPT, remote=True):
             layer = remote.layers_output[1].save()
             logits = remote.logits.save()
-    with _server_threads(), local.trace(PROMPT):
+    with single_threaded(), local.trace(PROMPT):
         local_layer = local.layers_output[1].save()
         local_logits = local.logits.save()
 
@@ -161,7 +151,7 @@ def test_non_blocking_request(server, remote_models, local_models):
                 break
             time.sleep(0.05)
     assert result is not None, "the non-blocking request never completed"
-    with _server_threads(), local.trace(PROMPT):
+    with single_threaded(), local.trace(PROMPT):
         local_logits = local.logits.save()
     assert torch.equal(result["logits"], local_logits)
 

@@ -6,14 +6,13 @@ equal local to 0.0 (both single-threaded; the model's own logit to the last bit 
 attribution's few numbers may come back.
 """
 
-import contextlib
 import secrets
 
 import pytest
 import torch
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET
+from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port
@@ -35,16 +34,6 @@ def server(tmp_path_factory):
         folders[family] = str(folder)
     with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
         yield running
-
-
-@contextlib.contextmanager
-def single_threaded():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the server computes single-threaded; float reductions depend on the thread count
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("by", ["block", "head", "neuron"])

@@ -234,7 +234,7 @@ def test_remote_equals_local(tmp_path):
     import secrets
 
     from dla_recipes.testing.loopback_ndif import LoopbackServer
-    from test_remote import single_threaded
+    from conftest import single_threaded
 
     folders = {}
     for family in ("llama", "gemma2"):
