@@ -925,3 +925,9 @@ REFUSED.update({
               "so its blocks run on a longer sequence than the input and an attributed position is a different "
               "index inside them; its blocks add the residual inside their attention and FFN sub-blocks.",
 })
+
+
+def text_config(model_or_config):
+    """The text model's config of a model (``.config``) or of a config: its ``text_config`` where it has one."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "text_config", None) or config

@@ -14,8 +14,9 @@ means and what to do about it:
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import nnsight
 
@@ -50,10 +51,9 @@ class RemoteBatchError(RemoteError):
 
 
 def register_for_remote() -> None:
-    """Ship dla_recipes by value: an NDIF server has nnsight and torch, not this package."""
-    import dla_recipes
-
-    nnsight.register(dla_recipes)
+    """Ship dla_recipes by value: an NDIF server has nnsight and torch, not this package (the package is loaded:
+    this module is part of it)."""
+    nnsight.register(sys.modules[__name__.partition(".")[0]])
 
 
 def remote_host(remote) -> str:
@@ -155,20 +155,3 @@ def retry_or_raise(error: BaseException, attempt: int, remote, retries: int | No
         sleep(BACKOFF_S * 2 ** attempt)
         return attempt + 1
     raise remote_error(error, remote) from error
-
-
-def run_all(run: Callable, batches: Sequence, remote) -> tuple[list, int | None, RemoteError | None]:
-    """``run(batch)`` for each batch in order, stopping at the first ``RemoteError`` of a remote run.
-
-    Returns ``(results, failed_index, error)``: the results of the batches that completed, and the index and
-    ``RemoteError`` of the one that failed (None, None when all completed). Local runs raise as they are.
-    """
-    results = []
-    for k, batch in enumerate(batches):
-        try:
-            results.append(run(batch))
-        except RemoteError as error:
-            if not remote:
-                raise
-            return results, k, error
-    return results, None, None

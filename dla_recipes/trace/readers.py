@@ -10,18 +10,24 @@ its attention, its MLP, its output). Each returns a live value of the running fo
 - ``neuron_activations(model, i)``      ``[batch, pos, d_mlp]`` the MLP's neurons, as its down projection reads them
 - ``layer_output(model, i)``            ``[batch, pos, d_model]`` the residual stream leaving block ``i``
 
-"What a sublayer adds" is read where the family table (``families.py``) says: a post-norm's output on Gemma 2/3,
+"What a sublayer adds" is read where the family table (``dla_recipes.families``) says: a post-norm's output on Gemma 2/3,
 the output times ``residual_multiplier`` on Granite, the dense projection on BLOOM (whose modules add the residual
 inside themselves), a copy on Falcon (which later adds the attention into the MLP's output in place), and so on.
 The names follow nnterp's next vocabulary, so a recipe written with them reads like one written for it.
+
+The site primitives the recipe reads with live here too: ``read_site`` (a module's input or output below a block),
+``at`` (a value at the attributed positions, copied in float32), ``frozen_at`` (a norm frozen at its real input
+there) and ``param`` (a parameter in float32).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .families import Term, family_of
-from .plan import _config, _scalar, layer_terms, module_at
+from ..errors import InputError
+from ..families import Term, family_of, text_config
+from ..math.frozen_norm import FrozenNorm, probe_norm
+from ..plan.build import layer_terms, module_at, scalar
 
 
 def read_site(layer, site: str, batch_size: int | None = None):
@@ -38,6 +44,23 @@ def read_site(layer, site: str, batch_size: int | None = None):
     return value
 
 
+def at(value: torch.Tensor, rows, positions) -> torch.Tensor:
+    """``value[rows, positions]`` in float32 (advanced indexing copies, so later in-place edits cannot reach it)."""
+    return value[rows.to(value.device), positions.to(value.device)].float()
+
+
+def frozen_at(norm, rows, positions, batch: int) -> FrozenNorm:
+    """A norm envoy frozen at its real input at the attributed positions (reads its input, then its output)."""
+    stream = at(read_site(norm, "input", batch), rows, positions)
+    probe = probe_norm(norm, stream.shape[-1])
+    return probe.freeze(stream, at(read_site(norm, "output", batch), rows, positions))
+
+
+def param(layer, path: str) -> torch.Tensor:
+    """The parameter (or buffer) at ``path`` below a block envoy, in float32."""
+    return module_at(layer, path).float()
+
+
 def find_term(model, i: int, name: str) -> Term:
     """The term named ``name`` that block ``i`` writes (raises a clear error if the block writes none)."""
     family = family_of(model)
@@ -45,7 +68,7 @@ def find_term(model, i: int, name: str) -> Term:
     for term in terms:
         if term.name == name:
             return term
-    raise ValueError(
+    raise InputError(
         f"block {i} of this {family.name} model writes no {name!r} term (it writes {', '.join(t.name for t in terms)})"
     )
 
@@ -66,7 +89,7 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
     if term.scale is not None:
         value = value * module_at(layer, term.scale)
     if term.multiplier is not None:
-        value = value * _scalar(term.multiplier, _config(model), i)
+        value = value * scalar(term.multiplier, text_config(model), i)
     return value
 
 
@@ -100,16 +123,16 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
     """
     term = find_term(model, i, "attn")
     if term.router is not None:
-        raise ValueError(
+        raise InputError(
             f"block {i}'s attention is a mixture of attention: each token's heads live in the experts it was routed "
             "to, grouped by expert, so there is no [batch, pos, heads, head_dim] tensor; use attribute(by='head')"
         )
     if term.split != "heads":
-        raise ValueError(
+        raise InputError(
             f"block {i}'s attention does not split into heads in this family ({family_of(model).name}): "
             "its write is read as one term (see its notes in dla_recipes/families.py)"
         )
-    heads = int(getattr(model, "num_heads", None) or _config(model).num_attention_heads)
+    heads = int(getattr(model, "num_heads", None) or text_config(model).num_attention_heads)
     value = read_site(model.layers[i], f"{term.projection}.input")
     return value.flatten(2).unflatten(-1, (heads, -1))
 

@@ -1,18 +1,17 @@
 """``Attribution``: the result of ``attribute``, a few tensors with labels, and views a researcher reads.
 
-``values.sum(-1) + constant == logit`` for every prompt, to float error (``error`` says how close).
+``values.sum(-1) + constant == logit`` for every prompt, to float error (``error`` says how close). Each column is
+a ``Component`` record (layer, term, part, index, source): the views (``blocks``, ``heads``, ``sources``, ``grid``)
+read the records, never the label strings.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 import torch
 
-_LABEL = re.compile(r"^L(\d+)\.(H|N)(\d+)$")
-_PART = re.compile(r"^L\d+\.(H\d+(\.S\d+)?|N\d+|E\d+(\.N\d+)?|shared(\.N\d+)?)$")  # a head, source, neuron, expert
-_SOURCE = re.compile(r"^L(\d+)\.H(\d+)\.S(\d+)$")
+from ..components import parse_label
 
 
 @dataclass
@@ -33,6 +32,10 @@ class Attribution:
             3 reading the prompt's own token 2).  family: the family table entry's name.
         read_by: for ``attribute_direction``, the norm the direction was read through (``"L3.ln_2"``); empty for a
             logit.
+        diagnostics: what the self-check measured: ``bound`` ``[batch]`` (what it allowed), ``split_rounding``,
+            ``norm_fit_error``, ``head_error``, ``scale``.
+        components: one ``Component`` per column, in ``labels`` order (read back from the labels when an
+            ``Attribution`` is built from labels alone).
     """
 
     values: torch.Tensor
@@ -49,6 +52,11 @@ class Attribution:
     family: str = ""
     read_by: str = ""
     diagnostics: dict = field(default_factory=dict)
+    components: tuple | None = None
+
+    def __post_init__(self):
+        if self.components is None:
+            self.components = tuple(parse_label(label) for label in self.labels)
 
     @property
     def total(self) -> torch.Tensor:
@@ -95,7 +103,7 @@ class Attribution:
         A split term's parts come right before its block label (which holds the term's rest), so each part is
         added to the next block label. ``blocks().values`` equals ``attribute(..., by="block").values``.
         """
-        is_block = [not _PART.match(label) for label in self.labels]
+        is_block = [component.part is None for component in self.components]
         keep = [j for j, block in enumerate(is_block) if block]
         owner = torch.zeros(len(self.labels), dtype=torch.long)
         target = len(keep)
@@ -103,7 +111,8 @@ class Attribution:
             target -= is_block[j]
             owner[j] = target
         values = torch.zeros(len(self), len(keep)).index_add_(1, owner, self.values)
-        return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block")
+        return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block",
+                       components=tuple(self.components[j] for j in keep))
 
     def heads(self) -> "Attribution":
         """A ``by="source"`` attribution at head granularity: each head's sources summed into ``L3.H5``.
@@ -112,20 +121,18 @@ class Attribution:
         if self.by != "source":
             raise ValueError(f"heads() sums a by='source' attribution's sources; this one is by={self.by!r}")
         names, owner = [], []
-        for label in self.labels:
-            match = _SOURCE.match(label)
-            name = f"L{match.group(1)}.H{match.group(2)}" if match else label
-            if not names or names[-1] != name or not match:
+        for component in self.components:
+            name = component._replace(source=None)
+            if not names or names[-1] != name or component.source is None:
                 names.append(name)
             owner.append(len(names) - 1)
         values = torch.zeros(len(self), len(names)).index_add_(1, torch.tensor(owner), self.values)
-        return replace(self, values=values, labels=names, by="head")
+        return replace(self, values=values, labels=[name.label for name in names], by="head", components=tuple(names))
 
     def sources(self) -> torch.Tensor:
         """``[batch, layers, heads, sources]``: a ``by="source"`` attribution's parts laid out by layer, head and
         own source position (``S0`` = the prompt's first token); NaN for heads not split by source."""
-        found = [(int(m.group(1)), int(m.group(2)), int(m.group(3)), j) for j, lab in enumerate(self.labels)
-                 if (m := _SOURCE.match(lab))]
+        found = [(c.layer, c.index, c.source, j) for j, c in enumerate(self.components) if c.source is not None]
         if not found:
             raise ValueError(f"this attribution has no per-source components (by={self.by!r}); use by='source'")
         shape = [max(f[k] for f in found) + 1 for k in range(3)]
@@ -137,10 +144,11 @@ class Attribution:
     def grid(self, kind: str = "H") -> torch.Tensor:
         """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where
         absent. On a ``by="source"`` attribution, ``"H"`` sums each head's sources (``heads()``)."""
-        if kind == "H" and any(_SOURCE.match(label) for label in self.labels):
+        if kind == "H" and any(c.source is not None for c in self.components):
             return self.heads().grid("H")
-        found = [(int(m.group(1)), int(m.group(3)), j) for j, lab in enumerate(self.labels)
-                 if (m := _LABEL.match(lab)) and m.group(2) == kind]
+        part = {"H": "head", "N": "neuron"}.get(kind)
+        found = [(c.layer, c.index, j) for j, c in enumerate(self.components)
+                 if c.part == part and c.source is None and c.expert is None]
         if not found:
             raise ValueError(f"this attribution has no {'head' if kind == 'H' else 'neuron'} components (by={self.by!r})")
         layers = max(f[0] for f in found) + 1

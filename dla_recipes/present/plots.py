@@ -75,10 +75,6 @@ def block_values(attr, prompt: int = 0):
                      name="value")
 
 
-def _kind(label: str) -> str:
-    return label if label == "embed" else label.split(".", 1)[-1]
-
-
 def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
     """A bar per block term, in forward order, coloured by kind (attention, MLP, mixer, experts, embedding).
 
@@ -89,11 +85,13 @@ def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
 
     prompt = _check_prompt(attr, prompt)
     series = block_values(attr, prompt)
+    blocks = attr.blocks() if attr.by != "block" else attr
+    term_of = {label: component.term for label, component in zip(blocks.labels, blocks.components)}
     logit = float(attr.logit[prompt])
     fig = go.Figure()
-    kinds = dict.fromkeys(_kind(label) for label in series.index)
+    kinds = dict.fromkeys(term_of[label] for label in series.index)
     for kind in kinds:
-        chosen = [label for label in series.index if _kind(label) == kind]
+        chosen = [label for label in series.index if term_of[label] == kind]
         fig.add_bar(
             x=chosen, y=series[chosen].tolist(), name=kind, marker_color=_COLORS.get(kind, _OTHER),
             customdata=[[v / logit if logit else float("nan")] for v in series[chosen]],

@@ -1,8 +1,8 @@
-"""Client-side checks and choices for ``attribute(..., by="source")``: which heads split by source position.
+"""The plan of ``attribute(..., by="source")``: whether the model's heads can split by source position, and which.
 
 A head's write at position ``p`` is ``z_h[p] = sum_s A_h[p, s] v_h[s]``, linear in the values once the attention
 pattern ``A`` the model computed is read, so its part splits exactly over source positions ``s`` (the in-trace
-math is ``recipe._source_scores``). This module decides, before any forward pass, whether the model can be split
+math is ``trace.kinds.sources``). This module decides, before any forward pass, whether the model can be split
 (its attention must return the pattern: eager attention; its family must say where the values are read,
 ``Term.values`` and ``Term.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
 otherwise.
@@ -29,23 +29,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
-from .errors import DLAError, InputError
-from .plan import Plan, Sources, _has_path
+from ..errors import DLAError, InputError
+from ..families import text_config
+from .build import has_path
+from .plan import Plan, Sources
 
 OPTIONS = ("layers", "top_heads")
 
 
 def attention_implementation(model) -> str | None:
     """The attention implementation transformers runs (``"eager"``, ``"sdpa"``, ...), None when unknown."""
-    hf = getattr(model, "_module", model)
-    config = getattr(hf, "config", None)
-    config = getattr(config, "text_config", None) or config
-    return getattr(config, "_attn_implementation", None)
+    return getattr(text_config(getattr(model, "_module", model)), "_attn_implementation", None)
 
 
-def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
+def check(model, plan: Plan, layers: Sequence[int]) -> None:
     """Raise a ``DLAError`` unless every split layer's attention can be split by source position.
 
     Remotely nnsight 0.8 sends the client model's attention implementation with each request and the server
@@ -66,13 +63,13 @@ def check_model(model, plan: Plan, layers: Sequence[int]) -> None:
                     "mixture of attention, or attention that never returns its pattern); use by='head'"
                 )
             module = term.values.rsplit(".", 1)[0]
-            if not any(_has_path(layer, module) for layer in model.layers):
+            if not any(has_path(layer, module) for layer in model.layers):
                 raise DLAError(
                     f"family {plan.family.name!r}: by='source' is not supported: no block has the value tensor the "
                     f"family table names ({term.values}; latent or fused attention computes its values elsewhere); "
                     "use by='head'"
                 )
-            if not _has_path(model.layers[i], module):
+            if not has_path(model.layers[i], module):
                 raise DLAError(
                     f"family {plan.family.name!r}: block {i} computes no values of its own ({term.values} is absent: "
                     "it reuses another block's keys and values); split other layers with "
@@ -130,14 +127,8 @@ def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attr
                                         for h in range(p.parts)))
     ranked = []
     wanted = set(layers)
-    for j, label in enumerate(head_attribution.labels):
-        layer, _, head = label.partition(".H")
-        if head.isdigit() and int(layer[1:]) in wanted:
-            ranked.append((float(head_attribution.values[:, j].abs().max()), int(layer[1:]), int(head)))
+    for j, component in enumerate(head_attribution.components):
+        if component.part == "head" and component.layer in wanted:
+            ranked.append((float(head_attribution.values[:, j].abs().max()), component.layer, component.index))
     ranked.sort(reverse=True)
     return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]))
-
-
-def offsets(batch) -> torch.Tensor:
-    """``[batch]`` long: where each prompt's own tokens start in the padded sequence."""
-    return batch.positions - torch.tensor(batch.own_positions, dtype=torch.long)

@@ -1,0 +1,219 @@
+"""Argument checks that need no model: prompts, token ids, positions, granularity, sizes, dtypes, remote targets.
+
+The first stage of every call. Each check raises an ``InputError`` naming the argument and the fix, and accepts what
+a user would reasonably pass: numpy / 0-d tensor integers as ids and positions, a tuple or generator of prompts, a
+single id in a list for all prompts, ``"bf16"`` for a dtype. Nothing here loads, tokenizes or reads a model: what
+depends on one (tokens in its vocabulary, positions inside its prompts) is checked where the prompts are tokenized
+(``transport.batches``), and what depends on its family (``by="expert"`` on a dense model) by the plan
+(``Plan.require``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from typing import Literal, Sequence, get_args
+
+import torch
+
+from .errors import InputError
+
+Granularity = Literal["block", "head", "neuron", "expert", "source"]
+GRANULARITIES: tuple[str, ...] = get_args(Granularity)
+
+
+def as_index(value, role: str):
+    """``value`` as a Python int when it is an integer (int, numpy integer, 0-d / 1-element integer tensor or array),
+    else ``None``; a float, bool or complex number raises ``InputError`` (never truncated)."""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        raise InputError(f"{role} is a bool ({value!r}): pass an integer")
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
+        if size != 1:
+            return None
+        dtype = value.dtype
+        if isinstance(value, torch.Tensor):
+            integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        else:
+            integral = getattr(dtype, "kind", "") in "iu"
+        if not integral:
+            raise InputError(
+                f"{role} is a {dtype} value ({_item(value)!r}): pass an integer (a float is never truncated to an id)"
+            )
+        return int(_item(value))
+    if isinstance(value, numbers.Number):
+        raise InputError(f"{role} is a {type(value).__name__} ({value!r}): pass an integer (floats are never truncated)")
+    return None
+
+def _item(value):
+    return value.reshape(()).item() if hasattr(value, "reshape") else value
+
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and getattr(getattr(value, "dtype", None), "kind", "") == "b"
+
+def check_text(text, role: str) -> str:
+    """``text`` checked to be a string the tokenizer can encode (bytes and lone surrogates are refused)."""
+    if isinstance(text, (bytes, bytearray)):
+        raise InputError(f"{role} is bytes ({bytes(text)[:40]!r}): decode it first, e.g. {role.split()[0]}.decode('utf-8')")
+    if not isinstance(text, str):
+        raise InputError(f"{role} is a {type(text).__name__}, not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InputError(
+            f"{role} contains {text[error.start:error.end]!r} at character {error.start}, a lone surrogate that is "
+            "not valid Unicode text: remove it, or decode the source bytes with errors='replace'"
+        ) from None
+    return str(text)
+
+def per_prompt(value, n: int, role: str) -> list:
+    """``value`` as one entry per prompt: a list / tuple / array / tensor of ``n``, or a single token (or a sequence of
+    one) repeated ``n`` times."""
+    if isinstance(value, (Mapping, AbstractSet)):
+        raise InputError(
+            f"{role} is a {type(value).__name__}: give a token string or id, or a list of one per prompt"
+        )
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "reshape"):
+        value = list(value.reshape(-1)) if getattr(value, "ndim", 0) else value
+    if isinstance(value, (list, tuple)):
+        if len(value) == 1:
+            return list(value) * n
+        if len(value) != n:
+            raise InputError(f"{len(value)} {role} tokens for {n} prompts: give one for all or one per prompt")
+        return list(value)
+    return [value] * n
+
+def check_prompts(prompts) -> list[str]:
+    """``prompts`` as a non-empty list of strings: a string, or a list / tuple / generator / array of strings."""
+    if prompts is None:
+        raise InputError("prompts is None: pass a string or a list of strings, e.g. 'The Eiffel Tower is in'")
+    if isinstance(prompts, (str, bytes, bytearray)):
+        prompts = [prompts]
+    elif isinstance(prompts, (Mapping, AbstractSet)):
+        raise InputError(
+            f"prompts is a {type(prompts).__name__}, which has no fixed order: pass a list of strings"
+        )
+    else:
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise InputError(
+                f"prompts is a {type(prompts).__name__}: pass a string or a list of strings"
+            ) from None
+    if not prompts:
+        raise InputError("no prompts given: pass a string or a non-empty list of strings")
+    return [check_text(prompt, f"prompt {i}") for i, prompt in enumerate(prompts)]
+
+
+def check_call(prompts, by, batch_size, tolerance, remote=False) -> tuple[list[str], int | None, float | None]:
+    """The model-free checks at the top of ``attribute`` / ``attribute_direction``: ``(prompts, batch_size,
+    tolerance)`` checked and converted; ``by`` checked to be a granularity, ``remote`` a bool or a server URL."""
+    check_granularity(by)
+    check_remote(remote)
+    prompts = check_prompts(prompts)
+    return prompts, check_batch_size(batch_size), check_tolerance(tolerance)
+
+
+def check_granularity(by) -> str:
+    """``by``, or an ``InputError`` (suggesting the closest name) unless it is one of ``GRANULARITIES``."""
+    if not isinstance(by, str) or by not in GRANULARITIES:
+        raise InputError(
+            f"by={by!r} is not a granularity: use one of {', '.join(map(repr, GRANULARITIES))}"
+            f"{closest(by, GRANULARITIES)}"
+        )
+    return by
+
+
+def check_remote(remote) -> None:
+    """``remote``: ``False``, ``True`` (NDIF) or a server URL starting with ``http://`` / ``https://``."""
+    if isinstance(remote, bool) or remote is None:
+        return
+    if isinstance(remote, str) and remote.startswith(("http://", "https://")):
+        return
+    raise InputError(
+        f"remote={remote!r}: give True (NDIF, host from nnsight's config), False, or a server URL starting with "
+        "http:// or https://"
+    )
+
+def check_int(value, role: str) -> int:
+    """``value`` as an int (Python, numpy, 0-d integer tensor), else ``InputError`` naming ``role``."""
+    index = None if value is None else as_index(value, role)
+    if index is None:
+        raise InputError(f"{role} must be an int, not {value!r}")
+    return index
+
+def check_position(position) -> int:
+    """``position`` as an int (Python, numpy, 0-d integer tensor); negative counts from the end of each prompt."""
+    index = None if position is None else as_index(position, "position")
+    if index is None:
+        raise InputError(
+            f"position must be one int for all prompts (negative counts from the end of each prompt), not {position!r}"
+        )
+    return index
+
+def check_batch_size(batch_size) -> int | None:
+    """``batch_size`` as a positive int, or None (all prompts in one forward pass)."""
+    if batch_size is None:
+        return None
+    try:
+        size = as_index(batch_size, "batch_size")
+    except InputError:
+        size = None
+    if size is None or size < 1:
+        raise InputError(
+            f"batch_size={batch_size!r}: give a positive int (prompts per forward pass), or None for all in one"
+        )
+    return size
+
+def check_tolerance(tolerance) -> float | None:
+    """``tolerance`` as a positive finite float, or None (the default for the model's dtype)."""
+    if tolerance is None:
+        return None
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not (
+        math.isfinite(float(tolerance)) and float(tolerance) > 0
+    ):
+        raise InputError(
+            f"tolerance={tolerance!r}: give a positive relative tolerance (e.g. 1e-4), or None for the default "
+            "of the model's dtype"
+        )
+    return float(tolerance)
+
+def closest(name, choices: Sequence[str]) -> str:
+    """`` (did you mean 'head'?)`` for the choice closest to ``name``, or ``""``."""
+    if not isinstance(name, str):
+        return ""
+    key = name.strip().lower()
+    match = difflib.get_close_matches(key, choices, n=1, cutoff=0.5) or [c for c in choices if key.startswith(c)]
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+def check_dtype(dtype):
+    """A dtype given as a ``torch.dtype``, ``"auto"`` or a name (``"bfloat16"`` / ``"bf16"``, ``"fp16"``, ...)."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.strip().lower().removeprefix("torch.")]
+    raise InputError(
+        f"dtype {dtype!r} is not a dtype: use float32 (fp32), bfloat16 (bf16) or float16 (fp16), or a torch.dtype"
+    )
+
+def check_device_map(device_map) -> None:
+    """Refuse ``device_map="meta"``: a model without weights cannot be attributed."""
+    if device_map == "meta" or isinstance(device_map, torch.device) and device_map.type == "meta" or (
+        isinstance(device_map, Mapping) and any(str(v) == "meta" for v in device_map.values())
+    ):
+        raise InputError(
+            "device_map='meta' builds the model without weights, which cannot be attributed: use device_map='cpu' "
+            "(or 'auto' / 'cuda'), or remote=True to build it without weights for an NDIF server"
+        )

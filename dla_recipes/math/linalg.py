@@ -1,0 +1,52 @@
+"""Linear algebra of the recipe: dot products, float32 matmuls over low-precision weights, pulling a direction back.
+
+Tensors in, tensors out; nothing here knows a family. ``matmul_f32`` never holds a float32 copy of a whole
+low-precision weight: it converts a slice of rows at a time (``CHUNK_ELEMENTS``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[batch]``: ``(a * b).sum(-1)`` with ``b`` moved to ``a``'s device (``[batch, d]`` or broadcastable)."""
+    return (a * b.to(a.device)).sum(-1)
+
+
+CHUNK_ELEMENTS = 1 << 24  # float32 elements of a weight converted at once (64 MB): bounds memory in bf16 / fp16
+
+def matmul_f32(x: torch.Tensor, weight: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``x @ weight`` (or ``x @ weight.T``) in float32, ``x`` ``[rows, k]`` float32, whatever ``weight``'s dtype.
+
+    A float32 weight is used as is. A low-precision one (a bfloat16 model on NDIF) is converted a slice of rows at
+    a time, so no float32 copy of a whole ``[d_mlp, d_model]`` matrix is ever held: the memory stays bounded and
+    the products are accumulated in float32.
+    """
+    x = x.to(weight.device)
+    if weight.dtype == torch.float32:
+        return x @ weight.T if transpose else x @ weight
+    step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+    if transpose:  # weight [n, k]: each slice of rows gives a slice of the output's columns
+        return torch.cat([x @ weight[i:i + step].float().T for i in range(0, weight.shape[0], step)], -1)
+    out = torch.zeros(x.shape[0], weight.shape[1], device=weight.device)
+    for i in range(0, weight.shape[0], step):  # weight [k, n]: each slice of rows adds its share of the sum
+        out += x[:, i:i + step] @ weight[i:i + step].float()
+    return out
+
+def linear_pullback(module, u: torch.Tensor, transposed: bool):
+    """``(W^T u [batch, in_features], bias . u [batch] or 0.0)`` for an ``nn.Linear`` (or ``Conv1D`` if transposed).
+
+    A grouped projection (``n_groups`` blocks on the diagonal, each ``[out / G, in]``) pulls each group's slice of
+    ``u`` back through its own block: ``[batch, G * in]``.
+    """
+    weight = module.weight
+    u = u.to(weight.device)
+    bias = getattr(module, "bias", None)
+    constant = dot(u, bias.float()) if bias is not None else 0.0
+    groups = getattr(module._module, "n_groups", None) if hasattr(module, "_module") else None
+    if groups:
+        blocks = weight.view(groups, -1, weight.shape[-1])  # [G, out / G, in]
+        parts = u.view(u.shape[0], groups, -1)
+        return torch.cat([matmul_f32(parts[:, g], blocks[g]) for g in range(groups)], -1), constant
+    return matmul_f32(u, weight, transpose=transposed), constant

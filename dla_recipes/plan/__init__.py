@@ -1,0 +1,11 @@
+"""The plan stage: the family table resolved against one model (client side, cached), and its components.
+
+``build_plan(model)`` returns a ``Plan``: per block, the terms it writes with their shapes and kinds; the plan lists
+the components an attribution has at each granularity (``Plan.components(by)``, ``Plan.labels(by)``).
+``plan.sources`` decides, before any forward pass, which heads ``by="source"`` splits.
+"""
+
+from .build import build_plan, layer_terms, module_at
+from .plan import Component, Plan, PlannedTerm, Sources, Stop
+
+__all__ = ["build_plan", "layer_terms", "module_at", "Component", "Plan", "PlannedTerm", "Sources", "Stop"]

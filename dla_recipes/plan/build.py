@@ -1,0 +1,194 @@
+"""Building the plan: the family table resolved against one model's config and module tree (client side, cached).
+
+``build_plan(model)`` walks the model's blocks once, picks each block's terms from its family entry (the table
+composes: optional terms are kept where their paths exist), checks every path the table names, reads the shapes
+that split a term into heads, neurons or experts, resolves the config scalars, and fixes each term's ``kind``. A
+path that does not resolve, a projection that is not a linear map, a width that does not split into heads: each
+raises a ``FamilyTableError`` here, before any forward pass runs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..errors import FamilyTableError
+from ..families import Family, Term, family_of, text_config
+from .plan import Kind, Plan, PlannedTerm
+
+
+def module_at(root, path: str):
+    """The submodule (or envoy) at a dotted ``path`` below ``root``."""
+    obj = root
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+def has_path(layer, path: str) -> bool:
+    """Whether ``path`` resolves below a block envoy (aliases included) to something that is not None."""
+    obj = layer
+    for name in path.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return obj is not None
+
+def layer_terms(family: Family, layer) -> tuple[Term, ...]:
+    """The terms block ``layer`` (an envoy) writes: those of the first layer kind of ``family`` whose ``when`` path
+    exists on it, less the optional terms whose ``when`` path is missing or whose ``unless`` path exists."""
+    for kind in family.kinds:
+        when = (kind.when,) if isinstance(kind.when, str) else kind.when or ()
+        if all(has_path(layer, path) for path in when):
+            return tuple(
+                term for term in kind.terms
+                if (term.when is None or has_path(layer, term.when))
+                and (term.unless is None or not has_path(layer, term.unless))
+            )
+    raise FamilyTableError(
+        f"family {family.name!r}: block {type(layer._module).__name__} matches none of its layer kinds "
+        f"({', '.join(repr(k.when) for k in family.kinds)})"
+    )
+
+def config_value(config, name):
+    """``config.<name>`` as a float; ``name`` may index a list (``"mlp_multipliers[1]"``) or be a function of the
+    config (returning a float)."""
+    if callable(name):
+        return float(name(config))
+    attribute, _, index = name.partition("[")
+    value = getattr(config, attribute)
+    return float(value[int(index.rstrip("]"))] if index else value)
+
+def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
+    """``(in_features, out_features, transposed)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D``."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and weight is not None:
+        return int(weight.shape[0]), int(weight.shape[1]), True
+    raise FamilyTableError(f"{type(module).__name__} is not a linear projection (nn.Linear or Conv1D)")
+
+def scalar(value, config, layer: int) -> float:
+    """A term's scalar resolved for block ``layer``: 1.0 (None), ``config[value]`` (a name, or ``"name[i]"`` for a
+    list item), or ``value(config, layer)``."""
+    if value is None:
+        return 1.0
+    return float(value(config, layer)) if callable(value) else config_value(config, value)
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
+
+def build_plan(model, family: Family | None = None) -> Plan:
+    """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights).
+
+    The plan is cached per model (and family entry); a model whose modules are swapped after loading needs
+    ``build_plan.cache_clear()``.
+    """
+    family = family or family_of(model)
+    cached = _PLANS.get(model)
+    if cached is not None and cached[0] is family:
+        return cached[1]
+    plan = plan_for(model, family)
+    _PLANS[model] = (family, plan)
+    return plan
+
+build_plan.cache_clear = _PLANS.clear
+
+def kind_of(term: Term) -> Kind:
+    """How the in-trace recipe reads ``term``'s parts (``PlannedTerm.kind``)."""
+    if term.split is None:
+        return "block"
+    if term.router is not None:
+        return "routed"
+    if term.split == "experts":
+        return "experts"
+    return "conv" if term.position_conv is not None else "linear"
+
+
+def _experts_shape(family: Family, i: int, layer, term: Term, d_model: int) -> tuple[int, int]:
+    """``(experts, neurons per expert)`` of a fused experts module, from its layout's weights."""
+    layout = term.layout
+    module = module_at(layer, term.projection)._module
+    activation = layout.gating if layout.gating is not None and layout.gate_up is not None else layout.activation
+    for path in (layout.gate_up, layout.gate, layout.up, layout.down, layout.gate_up_bias, layout.down_bias, activation):
+        if path is not None and not has_path(module, path):
+            raise FamilyTableError(
+                f"family {family.name!r}: block {i}: the experts module {term.projection} ({type(module).__name__}) "
+                f"has no {path!r} (term {term.name!r}); the family table's ExpertsLayout does not describe it"
+            )
+    down = module_at(module, layout.down)
+    experts = int(getattr(module, "num_experts", 0) or down.shape[0])
+    if down.numel() % (experts * d_model):
+        raise FamilyTableError(
+            f"family {family.name!r}: block {i}: {term.projection}.{layout.down} {tuple(down.shape)} does not split "
+            f"into {experts} experts of width d_model={d_model}"
+        )
+    return experts, down.numel() // (experts * d_model)
+
+def plan_for(model, family: Family) -> Plan:
+    """``model``'s plan for ``family``, built now (not cached: ``trace_attribution`` builds it server side)."""
+    config = text_config(model)
+    d_model = int(model.lm_head.weight.shape[-1])
+    num_heads = int(getattr(model, "num_heads", None) or getattr(config, "num_attention_heads", None) or 0)
+    layers = []
+    for i, layer in enumerate(model.layers):
+        layer_module = layer._module
+        planned = []
+        for term in layer_terms(family, layer):
+            for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
+                         term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
+                         term.projection_bias, term.reads, term.then, term.hyper, term.stream_norm,
+                         term.stream_norm_after, term.output_gate, term.position_conv,
+                         term.projection_scale):
+                if path and path not in ("output", "input") and not has_path(layer, path):
+                    raise FamilyTableError(
+                        f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
+                        f"(term {term.name!r}); the family table entry does not describe this model"
+                    )
+            multiplier = scalar(term.multiplier, config, i)
+            parts = width = experts = expert_width = shared_width = 0
+            routed_scale = shared_scale = 1.0
+            transposed = False
+            if term.router is not None:  # grouped experts: weight [E, d_model, in]
+                module = module_at(layer, term.projection)._module
+                experts, in_features = int(module.weight.shape[0]), int(module.weight.shape[-1])
+                top_k = int(module_at(layer, term.router)._module.top_k)
+                if term.split == "heads":
+                    width = int(getattr(config, "kv_channels", None) or getattr(config, "head_dim"))
+                    parts = top_k * in_features // width
+                else:
+                    expert_width = in_features
+            elif term.split == "experts":
+                experts, expert_width = _experts_shape(family, i, layer, term, d_model)
+                if term.shared is not None:
+                    shared_width = _linear_shape(module_at(layer, term.shared)._module)[0]
+                layout = term.layout
+                routed_scale = 1.0 if layout.routed_scale is None else config_value(config, layout.routed_scale)
+                shared_scale = 1.0 if layout.shared_scale is None else config_value(config, layout.shared_scale)
+            elif term.split is not None and term.projection is not None:
+                module = module_at(layer, term.projection)._module
+                in_features, _, transposed = _linear_shape(module)
+                in_features *= int(getattr(module, "n_groups", 1))  # a grouped projection reads every group
+                if term.split == "heads":
+                    if in_features % num_heads:
+                        raise FamilyTableError(
+                            f"family {family.name!r}: block {i}: {term.projection} reads {in_features} features, "
+                            f"not a multiple of {num_heads} heads"
+                        )
+                    parts, width = num_heads, in_features // num_heads
+                else:
+                    parts, width = in_features, 1
+            parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
+            planned.append(
+                PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
+                            routed_scale, shared_scale, scalar(term.stream_multiplier, config, i),
+                            scalar(term.projection_multiplier, config, i), kind_of(term))
+            )
+        layers.append(tuple(planned))
+    logit_scale = 1.0
+    if family.logits_times is not None:
+        logit_scale *= float(getattr(config, family.logits_times))
+    if family.logits_over is not None:
+        logit_scale /= float(getattr(config, family.logits_over))
+    softcap = float(getattr(config, family.softcap)) if family.softcap and getattr(config, family.softcap, None) else None
+    head_input_scale = 1.0 / float(getattr(config, family.head_input_over)) if family.head_input_over else 1.0
+    return Plan(family, tuple(layers), logit_scale, softcap, num_heads, head_input_scale)

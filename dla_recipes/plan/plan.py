@@ -1,0 +1,189 @@
+"""The plan: the family table resolved against one concrete model, and the components it attributes to.
+
+A ``Plan`` is built client side (``plan.build``) from the model's config and module tree (a remote model built
+without weights has both), travels into the trace as a small frozen dataclass, and tells the in-trace recipe what
+to read, in forward order, and how each term splits. ``Plan.components(by)`` lists what an attribution's columns
+are, as ``Component`` records (layer, term, part, index, source); the labels (``"L3.H5"``) are derived from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from ..args import Granularity, check_granularity
+from ..components import Component
+from ..errors import InputError
+from ..families import Family, Term
+
+Kind = Literal["block", "linear", "conv", "routed", "experts"]
+
+
+class Stop(NamedTuple):
+    """A point in the residual stream: block ``layer`` after ``terms_added`` of its terms were added."""
+
+    layer: int
+    terms_added: int
+
+
+@dataclass(frozen=True)
+class Sources:
+    """How ``by="source"`` splits heads: which heads are split over source positions, and into how many.
+
+    Attributes:
+        count: sources per split head, ``S0 .. S{count-1}``: indices into each prompt's own tokens (0 = its first
+            token, whatever the padding); ``count`` is the largest attributed own position plus one, so a prompt
+            whose attributed position is earlier has zeros for the sources it does not have.
+        heads: the ``(layer, head)`` pairs split by source; None: every head. The other heads stay whole
+            (``L3.H5``), as with ``by="head"``.
+    """
+
+    count: int
+    heads: frozenset | None = None
+
+    def split_heads(self, layer: int, heads: int) -> tuple[bool, ...]:
+        """Which of block ``layer``'s ``heads`` are split by source."""
+        if self.heads is None:
+            return (True,) * heads
+        return tuple((layer, h) in self.heads for h in range(heads))
+
+@dataclass(frozen=True)
+class PlannedTerm:
+    """A ``Term`` with its constants and shapes resolved for one block.
+
+    Attributes:
+        term: the table's ``Term``.
+        multiplier: ``config[term.multiplier]`` as a float (1.0 when none).
+        parts: heads / neurons split: how many pieces ``projection.input`` splits into.
+        part_width: the width of one piece (``head_dim`` for heads, 1 for neurons).
+        transposed: the projection stores its weight ``[in, out]`` (GPT-2's ``Conv1D``) rather than ``[out, in]``.
+        experts, expert_width: experts split: the number of routed experts and each one's neurons.
+        shared_width: experts split: the shared expert's neurons (0: none).
+        parallel: the sublayer reads the same stream as the term before it (``Term.parallel`` resolved).
+        routed_scale, shared_scale: experts split: the layout's scales of the routed experts and the shared expert.
+        stream_multiplier, projection_multiplier: ``Term.stream_multiplier`` / ``Term.projection_multiplier``
+            resolved to floats (1.0 when none).
+        kind: how the in-trace recipe reads the term's parts, fixed here once (``trace.terms`` dispatches on it):
+            ``"block"`` (never split), ``"linear"`` (heads / neurons through one projection), ``"conv"`` (the same
+            under a position convolution), ``"routed"`` (grouped experts behind a router), ``"experts"`` (a fused
+            mixture of experts, recomputed).
+    """
+
+    term: Term
+    multiplier: float = 1.0
+    parts: int = 0
+    part_width: int = 0
+    transposed: bool = False
+    experts: int = 0
+    expert_width: int = 0
+    shared_width: int = 0
+    parallel: bool = False
+    routed_scale: float = 1.0
+    shared_scale: float = 1.0
+    stream_multiplier: float = 1.0
+    projection_multiplier: float = 1.0
+    kind: Kind = "block"
+
+    def mode(self, by: Granularity) -> str | None:
+        """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
+        ``"experts"`` (one component per expert) or ``"expert_neurons"`` (one per neuron of every expert)."""
+        split = self.term.split
+        if split == "heads" and by == "head" and self.parts:
+            return "heads"
+        if split == "heads" and by == "source" and self.parts and self.term.router is None:
+            return "sources" if self.term.values else "heads"
+        if split == "neurons" and by == "neuron" and self.parts:
+            return "neurons"
+        if split == "experts" and self.experts:
+            return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
+        return None
+
+    def components(self, i: int, by: Granularity, sources: Sources | None = None) -> list[Component]:
+        """This term's components in block ``i``; the last is always the term's rest (``part=None``).
+
+        ``by="source"``: ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads ``sources``
+        splits, ``L3.H5`` for the others."""
+        mode, name = self.mode(by), self.term.name
+        if mode == "sources":
+            split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
+            parts = [c for h in range(self.parts) for c in
+                     ([Component(i, name, "head", h, s) for s in range(sources.count)] if split[h]
+                      else [Component(i, name, "head", h)])]
+        elif mode == "heads":
+            parts = [Component(i, name, "head", p) for p in range(self.parts)]
+        elif mode == "neurons":
+            parts = [Component(i, name, "neuron", p) for p in range(self.parts)]
+        elif mode == "experts":
+            parts = [Component(i, name, "expert", e) for e in range(self.experts)]
+            parts += [Component(i, name, "shared")] if self.shared_width else []
+        elif mode == "expert_neurons":
+            parts = [Component(i, name, "neuron", n, expert=e) for e in range(self.experts)
+                     for n in range(self.expert_width)]
+            parts += [Component(i, name, "neuron", n, expert="shared") for n in range(self.shared_width)]
+        else:
+            parts = []
+        return parts + [Component(i, name)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the in-trace recipe reads for one model. ``layers[i]`` lists block ``i``'s terms in forward order."""
+
+    family: Family
+    layers: tuple[tuple[PlannedTerm, ...], ...]
+    logit_scale: float
+    softcap: float | None
+    num_heads: int
+    head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
+
+    def components(self, by: Granularity = "block", stop: Stop | None = None,
+                   sources: Sources | None = None) -> list[Component]:
+        """The components in forward order: the embedding, then each block's terms (split at ``by``; a split term
+        keeps a component for its rest). With ``stop``, only the terms written before it; ``sources``: how
+        ``by="source"`` splits the heads."""
+        check_granularity(by)
+        components = [Component(None, "embed")]
+        for i, terms in enumerate(self.terms_before(stop)):
+            for planned in terms:
+                components.extend(planned.components(i, by, sources))
+        return components
+
+    def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> list[str]:
+        """The components' labels: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` / ``L3.E2`` /
+        ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest)."""
+        return [component.label for component in self.components(by, stop, sources)]
+
+    def require(self, by: Granularity) -> Granularity:
+        """``by``, checked to be a granularity this model has (``"expert"`` needs routed experts)."""
+        check_granularity(by)
+        if by == "expert" and not any(planned.mode(by) is not None for terms in self.layers for planned in terms):
+            raise InputError(
+                f"by='expert': this {self.family.name} model has no routed experts (no mixture-of-experts block); "
+                "use by='block', 'head' or 'neuron'"
+            )
+        return by
+
+    def terms_before(self, stop: Stop | None) -> list[tuple[PlannedTerm, ...]]:
+        """Each block's terms written before ``stop`` (all of them when ``stop`` is None)."""
+        if stop is None:
+            return list(self.layers)
+        layer, count = stop
+        return list(self.layers[:layer]) + ([self.layers[layer][:count]] if count else [])
+
+    def stop_before(self, layer: int, sublayer: str) -> Stop:
+        """The point where block ``layer``'s ``sublayer`` reads the stream: ``(layer, terms of it already added)``."""
+        if not -len(self.layers) <= layer < len(self.layers):
+            raise InputError(f"layer {layer} is outside this {len(self.layers)}-block model")
+        layer %= len(self.layers)
+        names = [planned.term.name for planned in self.layers[layer]]
+        if sublayer not in names:
+            raise InputError(f"block {layer} has no {sublayer!r} sublayer (it has {', '.join(names)})")
+        k = names.index(sublayer)
+        if self.layers[layer][k].term.reads is None:
+            raise InputError(
+                f"block {layer}'s {sublayer!r} reads the stream without a norm in front of it ({self.family.name}): "
+                "there is no norm to attribute a direction through"
+            )
+        while k > 0 and self.layers[layer][k].parallel:  # a parallel sublayer reads the stream its neighbour reads
+            k -= 1
+        return Stop(layer, k)

@@ -1,0 +1,94 @@
+"""The result stage: every batch's ``Readout`` becomes ONE self-checked ``Attribution``, in the user's order.
+
+``assemble`` is the only place an ``Attribution`` is built from a trace: ``attribute``, ``attribute_direction`` and
+``trace_attribution`` all go through it, so the three return the same diagnostics for the same call. It joins the
+readouts (``Readout.concat``), runs the self-check against the model's own logit (``selfcheck``), takes the
+components from the plan, and puts the rows back in the user's order (``in_user_order``: padding-unsafe families
+run their prompts grouped by length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from .present.attribution import Attribution
+from .selfcheck import self_check
+from .trace.readout import Readout
+
+# What an ExactnessError most likely means when the forward pass was edited.
+EDIT_HINT = (
+    "The forward pass was edited: an edit that adds to the residual stream itself (a block's output, "
+    "layers_output, nnterp's model.steer) writes a vector that no component wrote, so the parts cannot sum to the "
+    "logit. Add it to what a sublayer writes instead (e.g. model.layers[i].mlp.output), where it is attributed to "
+    "that sublayer."
+)
+
+
+def assemble(plan, batches: Sequence, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
+             tolerance: float | None = None, stop=None, sources=None, order: Sequence[int] | None = None,
+             read_by: str = "") -> Attribution:
+    """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order).
+
+    Args:
+        plan: the model's ``Plan`` (its components at ``by``, before ``stop``, split by ``sources``).
+        batches: the batches that ran (``transport.batches.Batch``: prompts, tokens, own positions), in order.
+        readouts: one ``Readout`` per batch.  dtype: the dtype the model computes in (when the trace did not
+            measure it).  tolerance: the user's relative tolerance, or None.
+        order: the user's index of each prompt in run order; the result's rows are put back in the user's order.
+        read_by: ``attribute_direction``'s norm (``"L3.ln_2"``); empty for a logit.
+    """
+    readout = Readout.concat(readouts)
+    components = plan.components(by, stop, sources)  # built once: by="neuron" on a large model has ~10^5-10^6
+    labels = [component.label for component in components]
+    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels)
+    contrast_tokens = [b.contrast_tokens for b in batches]
+    attr = Attribution(
+        values=readout.values,
+        labels=labels,
+        constant=readout.constant,
+        logit=readout.logit,
+        output_logit=readout.output_logit,
+        error=error,
+        prompts=sum((b.prompts for b in batches), ()),
+        target_tokens=() if read_by else sum((b.target_tokens for b in batches), ()),
+        contrast_tokens=None if contrast_tokens[0] is None else sum(contrast_tokens, ()),
+        positions=sum((b.own_positions for b in batches), ()),
+        by=by,
+        family=plan.family.name,
+        read_by=read_by,
+        diagnostics={
+            "norm_fit_error": float(readout.norm_fit_error),
+            "head_error": float(readout.head_error),
+            "scale": readout.scale,
+            **checked,
+        },
+        components=tuple(components),
+    )
+    return attr if order is None else in_user_order(attr, order)
+
+
+def in_user_order(attr: Attribution, order: Sequence[int]) -> Attribution:
+    """``attr`` (rows in run order: row ``k`` is prompt ``order[k]``) with its rows back in the user's order."""
+    order = list(order)
+    if order == sorted(order):
+        return attr
+    index = torch.empty(len(order), dtype=torch.long)
+    index[torch.as_tensor(order)] = torch.arange(len(order))  # index[prompt] = its row in run order
+
+    def rows(value):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == len(order):
+            return value[index]
+        if isinstance(value, tuple) and len(value) == len(order):
+            return tuple(value[int(i)] for i in index)
+        return value
+
+    return replace(
+        attr,
+        values=rows(attr.values), constant=rows(attr.constant), logit=rows(attr.logit),
+        output_logit=rows(attr.output_logit), prompts=rows(attr.prompts), target_tokens=rows(attr.target_tokens),
+        contrast_tokens=rows(attr.contrast_tokens), positions=rows(attr.positions),
+        diagnostics={key: rows(value) for key, value in attr.diagnostics.items()},
+    )

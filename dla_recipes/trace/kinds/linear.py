@@ -1,0 +1,73 @@
+"""Term kind ``"linear"``: heads or neurons through one output projection (``nn.Linear`` or GPT-2's ``Conv1D``).
+
+The term writes ``projection(inputs)`` (then maybe a second map, ``Term.then``; maybe gated channel by channel,
+``Term.output_gate``), so its part along a direction ``u`` on its write splits exactly: pull ``u`` back through the
+projection onto its input, ``W^T u`` ``[batch, heads * head_dim]`` or ``[batch, d_mlp]``, and multiply by the inputs
+the model fed it; a head's part is the sum over its ``head_dim`` slice. The projection's bias goes to the term's rest.
+In low precision the projection's own (rounded) output is read too, for the self-check's bound (``rounding``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...math.linalg import linear_pullback
+from ...plan.build import module_at
+from ...plan.plan import PlannedTerm
+from ..readers import at, read_site
+
+
+@dataclass
+class LinearReads:
+    """What a linear split reads at the attributed positions, in forward order.
+
+    Attributes:
+        inputs: ``[batch, in_features]`` the projection's input (heads flattened).
+        own: ``[batch, out_features]`` the projection's own output (low precision only; else None).
+        output_gate: ``[batch, out_features]`` ``sigmoid(gate)`` multiplying the output (``Term.output_gate``).
+    """
+
+    inputs: torch.Tensor
+    own: torch.Tensor | None = None
+    output_gate: torch.Tensor | None = None
+
+
+def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> LinearReads:
+    """Read the projection's input (and, with ``own``, its output; then the output gate) at the positions."""
+    term, batch = planned.term, rows.shape[0]
+    projection = module_at(layer, term.projection)
+    reads = LinearReads(at(read_site(projection, "input", batch), rows, positions).flatten(1))
+    if own and term.then is None:  # the projection's own (low-precision) output: its parts' rounding
+        reads.own = at(read_site(projection, "output", batch), rows, positions).flatten(1)
+    if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
+        reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, term.output_gate), "output", batch),
+                                             rows, positions))
+    return reads
+
+
+def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: torch.Tensor | None = None):
+    """``(pulled [batch, in_features], rest, bias)``: ``u`` on the term's write pulled back through ``Term.then``
+    (its bias added to ``rest``), the output gate and the projection (its bias returned)."""
+    term = planned.term
+    if term.then is not None:  # a second map after the projection: pull u back through it first
+        u, then_bias = linear_pullback(module_at(layer, term.then), u, False)
+        rest = rest + then_bias
+    if output_gate is not None:
+        u = u * output_gate.to(u.device)
+    pulled, bias = linear_pullback(module_at(layer, term.projection), u, planned.transposed)
+    return pulled, u, rest, bias
+
+
+def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None):
+    """``(parts [batch, parts], rest, rounding)``: each head's or neuron's part along ``u``; ``rounding`` is the
+    projection's own output along ``u`` minus its parts and bias, and its squared scale (None in float32)."""
+    pulled, u, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
+    parts = (reads.inputs * pulled.to(reads.inputs.device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    rest = rest + bias
+    rounding = None
+    if reads.own is not None:  # the projection's rounding: its own output along u, minus its parts and bias
+        own = reads.own * u.to(reads.own.device)
+        rounding = (own.sum(-1) - parts.sum(-1) - torch.as_tensor(bias).to(own.device), (own * own).sum(-1))
+    return parts, rest, rounding

@@ -1,0 +1,101 @@
+"""Heads split by source position (``by="source"``): a linear heads term read through its attention pattern.
+
+Head ``h`` writes ``sum_s A[h, s] v[s]`` through the output projection, linear in the values once the pattern ``A``
+the model computed is read (the attention module's second output under eager attention), so its part along the
+pulled-back direction splits exactly into ``A[h, s] * (v[s] . pulled_h)``. Each split block's heads are rebuilt
+from the pattern and the values, ``sum_s A v``, against the output projection's real input (``pattern_error``).
+Which heads are split, and whether the model can be, is decided before the trace (``plan.sources``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import DLAError
+from ...plan.build import module_at
+from ...plan.plan import PlannedTerm
+from ..readers import at, read_site
+from .linear import pull_back
+
+
+@dataclass
+class SourceReads:
+    """What splitting heads by source needs, read in forward order.
+
+    Attributes:
+        values: ``[batch, pos, kv_heads, head_dim]`` the values at every position of the attributed rows.
+        inputs: ``[batch, heads * head_dim]`` the heads as the output projection reads them.
+        pattern: ``[batch, heads, pos]`` the attention pattern at the attributed positions.
+        pattern_error: ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own).
+    """
+
+    values: torch.Tensor
+    inputs: torch.Tensor
+    pattern: torch.Tensor
+    pattern_error: float
+
+
+def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> SourceReads:
+    """Read the values, the heads and the pattern; rebuild the heads from them (``SourceReads.pattern_error``)."""
+    term, batch = planned.term, rows.shape[0]
+    values = read_site(layer, term.values, batch)
+    values = values[rows.to(values.device)].float()  # every position of the attributed rows
+    inputs = at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
+    attention = module_at(layer, term.projection.rsplit(".", 1)[0]).output
+    weights = attention[1] if isinstance(attention, tuple) and len(attention) > 1 else None
+    if weights is None:
+        raise DLAError(
+            f"by='source' needs the attention pattern, and this model's attention ({planned.term.projection}'s module) "
+            "returns none: its attention implementation is not eager. Load the model with "
+            "dla_recipes.load(..., attn_implementation='eager')"
+        )
+    pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
+    values = values_of(values, term.values_layout, planned.parts, planned.part_width)
+    rebuilt = grouped_sum(pattern, values.to(pattern.device)).flatten(1)
+    scale = inputs.abs().max().clamp(min=1e-30)
+    return SourceReads(values, inputs, pattern, float(((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale)))
+
+
+def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
+    """``[batch, pos, kv_heads, head_dim]``: the values in a value tensor or a fused projection's output
+    (``Term.values_layout``)."""
+    batch, pos = fused.shape[:2]
+    fused = fused.reshape(batch, pos, -1)
+    if layout == "qkv":  # [queries | keys | values], keys and values of equal width
+        fused = fused[..., heads * head_dim + (fused.shape[-1] - heads * head_dim) // 2:]
+    elif layout == "per_head_qkv":  # [heads, (query, key, value)]
+        fused = fused.view(batch, pos, heads, 3 * head_dim)[..., 2 * head_dim:]
+    return fused.reshape(batch, pos, -1, head_dim)
+
+
+def grouped_sum(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, head_dim]``: ``sum_s A[h, s] v[s, group(h)]`` for each query head (GQA / MQA groups)."""
+    batch, heads, keys = pattern.shape
+    kv = values.shape[2]
+    grouped = pattern.view(batch, kv, heads // kv, keys)
+    return torch.einsum("bvgk,bkvd->bvgd", grouped, values[:, :keys]).reshape(batch, heads, -1)
+
+
+def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split):
+    """``(parts [batch, parts], rest, None)``: each split head's part per own source position, the others whole.
+
+    ``split`` is ``(which heads are split, offsets [batch], count)``: source ``s`` of a prompt is padded position
+    ``offsets[b] + s`` (a source past the padded length is zero), ``count`` sources per split head.
+    """
+    pulled, _, rest, bias = pull_back(layer, planned, u, rest)
+    heads_split, offsets, count = split
+    heads, width = planned.parts, planned.part_width
+    pattern, values = reads.pattern, reads.values.to(reads.pattern.device)
+    u = pulled.to(pattern.device).view(-1, heads, width)
+    whole = (reads.inputs.to(u.device).view(-1, heads, width) * u).sum(-1)  # [batch, heads]
+    batch, _, keys = pattern.shape
+    kv = values.shape[2]
+    along = torch.einsum("bkvd,bvgd->bvgk", values[:, :keys], u.view(batch, kv, heads // kv, width))
+    per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
+    index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
+    inside = index < keys
+    own = per_source.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+    pieces = [own[:, h] if heads_split[h] else whole[:, h:h + 1] for h in range(heads)]
+    return torch.cat(pieces, -1), rest + bias, None

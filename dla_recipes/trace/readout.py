@@ -1,0 +1,92 @@
+"""``Readout``: what one DLA trace returns, the wire format between the trace (local or on NDIF) and the client.
+
+A few tensors per prompt whatever the model's width or the prompt's length; ``pack`` puts them in one
+``[batch, n_components + len(Readout.FIELDS)]`` float32 tensor (the cheapest thing to send back from a server),
+``unpack`` reverses it, ``concat`` joins the readouts of several batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Readout:
+    """What a DLA trace returns: a few tensors, whatever the model's width or the prompt's length.
+
+    Attributes:
+        values: ``[batch, n_components]`` float32, the components' contributions, in ``plan.labels(by)`` order.
+        constant: ``[batch]`` the final norm's bias and ``lm_head``'s bias through the head (no component's).
+        logit: ``[batch]`` the model's own logit (difference) before any soft-cap: ``lm_head``'s output times the
+            family's logit scale, read in the same trace.
+        output_logit: ``[batch]`` the model's output logit (difference), after any soft-cap.
+        head_error: ``[]`` max |head(lm_head output) - output logits| at the attributed tokens: checks the family
+            table's final head (logit scale, soft-cap).
+        norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms), and with
+            ``by="source"`` of a head output rebuilt from the attention pattern and values.
+        scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
+
+    What the self-check (``selfcheck``) needs to bound the model's own rounding, all ``[batch]`` in logit units:
+        logit_size: ``b(z_target) + b(z_contrast)``, ``b(z) = 2^floor(log2 |z|)``: each logit is rounded at its own
+            size (by at most ``u * b(z)``), not at the size of their difference.
+        head_noise: ``sqrt(sum_i (y_i w_i)^2)``, ``y`` the final norm's output and ``w`` the head direction: the
+            scale of that output's rounding, carried to the logit.
+        stream_noise: ``s * sqrt(sum over adds, channels (x_i d_i)^2)``, ``x`` the stream around each residual add
+            and ``d`` the direction it is read in: the scale of the adds' rounding, carried to the logit.
+        split_gap: over the split terms (heads, neurons), the projection's own output read along the term's
+            direction minus its parts and bias: the rounding of the projection's low-precision output.
+        split_noise: ``sqrt(sum over split terms, channels (o_i u_i)^2)`` of those outputs ``o``: its scale.
+        finite_head: 1 where the head direction (final norm gain, ``lm_head`` rows) is finite, else 0.
+        first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
+        unit_roundoff: ``u`` of the dtype the model computed in, read where it ran (server side on NDIF, where the
+            client's model has no weights and may not know it); 0 when unknown.
+    """
+
+    values: torch.Tensor
+    constant: torch.Tensor
+    logit: torch.Tensor
+    output_logit: torch.Tensor
+    head_error: torch.Tensor
+    norm_fit_error: torch.Tensor
+    scale: torch.Tensor
+    logit_size: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    head_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
+    first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
+    unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+
+    FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
+                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head", "first_nonfinite",
+                "unit_roundoff")
+
+    def pack(self) -> torch.Tensor:
+        """``[batch, n_components + len(FIELDS)]`` float32: everything in one tensor, the cheapest to send back."""
+        batch = self.values.shape[0]
+        extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self.FIELDS]
+        return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> "Readout":
+        """The inverse of ``pack``."""
+        k = len(cls.FIELDS)
+        values, extra = packed[:, :-k], packed[:, -k:]
+        scalars = dict(zip(cls.FIELDS, extra.unbind(-1)))
+        scalars["head_error"] = scalars["head_error"].max()
+        scalars["norm_fit_error"] = scalars["norm_fit_error"].max()
+        return cls(values=values, **scalars)
+
+    @classmethod
+    def concat(cls, readouts: list["Readout"]) -> "Readout":
+        """One ``Readout`` of several batches' (in order): rows concatenated in float32, the two scalar checks
+        (``head_error``, ``norm_fit_error``) their maximum."""
+        scalars = ("head_error", "norm_fit_error")
+        rows = ("values",) + tuple(name for name in cls.FIELDS if name not in scalars)
+        return cls(
+            **{name: torch.cat([getattr(r, name) for r in readouts]).float() for name in rows},
+            **{name: torch.stack([getattr(r, name) for r in readouts]).max() for name in scalars},
+        )

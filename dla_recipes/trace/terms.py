@@ -1,0 +1,201 @@
+"""One term of one block, inside the trace: its direction, its reads and its score, dispatched on its kind.
+
+``term_directions`` pulls the direction on the stream back to every term written before a point of the stream
+(through what later acts on the stream: static scales, stream norms, a per-block scale); ``read_term`` reads, in
+forward order, what scoring a term needs at the attributed positions; ``score_term`` reduces those reads to the
+term's parts and rest; ``layer_scores`` does both for one block (all its reads first, then the arithmetic). How a
+split term's parts are read and scored is its kind's (``PlannedTerm.kind``, fixed by the plan): one module of
+``trace.kinds`` per kind, chosen from ``KINDS``; this module never asks which family it runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..args import Granularity
+from ..math.frozen_norm import FrozenNorm, probe_norm
+from ..math.linalg import dot
+from ..plan.build import module_at
+from ..plan.plan import Plan, PlannedTerm, Stop
+from .kinds import conv, experts, linear, routed, sources
+from .readers import at, frozen_at, param, read_site
+
+KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
+
+
+def kind_module(planned: PlannedTerm, mode: str) -> ModuleType:
+    """The ``trace.kinds`` module reading and scoring ``planned``'s parts at ``mode`` (``by="source"`` splits a
+    linear heads term through its pattern)."""
+    return sources if mode == "sources" else KINDS[planned.kind]
+
+
+@dataclass
+class TermReads:
+    """What scoring one term needs, read in forward order at the attributed positions.
+
+    Attributes:
+        value: ``[batch, d_model]`` the term's write, read whole (the term is not split at this granularity).
+        parts: the term's kind's reads record (``LinearReads``, ``SourceReads``, ...) when it is split.
+        hyper: ``(post [batch, streams], comb [batch, streams, streams] or None)`` on parallel-stream families.
+        post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term``).
+    """
+
+    value: torch.Tensor | None = None
+    parts: object = None
+    hyper: tuple | None = None
+    post_norm: FrozenNorm | None = None
+    stream_norm: FrozenNorm | None = None
+    stream_norm_after: FrozenNorm | None = None
+
+    def norms(self) -> list[FrozenNorm]:
+        """The frozen norms read with the term (their fit errors join the diagnostics)."""
+        return [n for n in (self.post_norm, self.stream_norm, self.stream_norm_after) if n is not None]
+
+
+def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | None = None):
+    """Pull ``direction`` ``[batch, d_model]`` on the stream at ``stop`` (None: the final norm's input) back to
+    every term written before it.
+
+    Returns ``(embed_direction, per_layer)`` where ``per_layer[i][k]`` is ``(direction, constant, after)`` for term
+    ``k`` of block ``i``: the term's write dotted with ``direction`` is its share of ``x @ direction``, ``constant``
+    ``[batch]`` is what a stream bias or a stream norm's bias added with it (ZAYA, MiniMax) contributes, and
+    ``after`` what the bias of a norm right after it contributes (not scaled by that norm).
+    """
+    v = direction
+    blocks = plan.terms_before(stop)
+    per_layer: list[list[tuple[torch.Tensor, torch.Tensor | float]]] = [[] for _ in blocks]
+    for i in reversed(range(len(blocks))):
+        layer = model.layers[i]
+        whole = len(blocks[i]) == len(plan.layers[i]) and (stop is None or i < stop[0])
+        if plan.family.layer_scale is not None and whole:
+            v = v * param(layer, plan.family.layer_scale).to(v.device)
+        entries = []
+        for planned in reversed(blocks[i]):
+            term = planned.term
+            constant: torch.Tensor | float = 0.0
+            after: torch.Tensor | float = 0.0  # a norm right after the add: its bias, then its static part
+            if term.stream_norm_after is not None:
+                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1]).to(v.device)
+                after = dot(v, probe.bias.to(v.device))
+                v = probe.center(probe.gain.to(v.device) * v)
+            if term.stream_scale is not None:
+                v_before = v * param(layer, term.stream_scale).to(v.device)
+            else:
+                v_before = v
+            if planned.stream_multiplier != 1.0:
+                v_before = v_before * planned.stream_multiplier
+            if term.stream_bias is not None:
+                constant = dot(v_before, param(layer, term.stream_bias))
+            if term.stream_norm is not None:  # its static part; its scale is read in the trace (decompose)
+                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1]).to(v.device)
+                constant = constant + dot(v_before, probe.bias.to(v_before.device))
+                v_before = probe.center(probe.gain.to(v_before.device) * v_before)
+            entries.append((v, constant, after))
+            v = v_before
+        per_layer[i] = entries[::-1]
+    return v, per_layer
+
+
+def write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
+    """Pull ``v`` back through the term's multiplier and affine merge: ``(direction on read(output), constant)``."""
+    term = planned.term
+    u = v * planned.multiplier if planned.multiplier != 1.0 else v
+    if term.scale is not None:
+        u = u * param(layer, term.scale).to(u.device)
+    constant = dot(u, param(layer, term.bias)) if term.bias is not None else 0.0
+    return u, constant
+
+
+def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True) -> TermReads:
+    """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``).
+
+    ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: read split projections' own outputs too (their
+    low-precision rounding, for the self-check)."""
+    term, batch = planned.term, rows.shape[0]
+    reads = TermReads()
+    if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
+        reads.stream_norm = frozen_at(module_at(layer, term.stream_norm), rows, positions, batch)
+    if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
+        post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
+        comb = at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
+        reads.hyper = (at(post, rows, positions), comb)
+    if mode is None:
+        reads.value = at(read_site(layer, term.output, batch), rows, positions)
+    else:
+        reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions, own)
+        if term.post_norm is not None:
+            reads.post_norm = frozen_at(module_at(layer, term.post_norm), rows, positions, batch)
+    if term.stream_norm_after is not None:  # ... and a norm right after the add, after it
+        reads.stream_norm_after = frozen_at(module_at(layer, term.stream_norm_after), rows, positions, batch)
+    return reads
+
+
+def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, v: torch.Tensor,
+               outer: FrozenNorm | None, outer_bias: bool, split=None):
+    """``(scores [batch, parts + 1], rounding)``: the term's parts (heads, neurons, experts, head sources; none at
+    block level), then its rest, along ``v`` on the stream; ``rounding`` is a split projection's ``(gap, squared
+    noise)`` ``[batch]`` in low precision, else None. ``split``: for ``mode="sources"``, ``(heads split, offsets
+    [batch], count)``."""
+    term = planned.term
+    u, rest = write_direction(layer, planned, v)
+    if outer is not None:
+        if outer_bias:
+            rest = rest + dot(u, outer.bias)
+        u = outer.transpose(u)
+    if mode is None:
+        return (dot(reads.value, u) + rest).unsqueeze(-1), None
+    if reads.post_norm is not None:
+        rest = rest + dot(u, reads.post_norm.bias)
+        u = reads.post_norm.transpose(u)
+    if planned.projection_multiplier != 1.0:
+        u = u * planned.projection_multiplier
+    if term.projection_scale is not None:
+        u = u * param(layer, term.projection_scale).to(u.device)
+    parts, rest, rounding = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
+    rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
+    return torch.cat([parts, rest.unsqueeze(-1)], -1), rounding
+
+
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
+                 split=None, splits: list | None = None):
+    """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
+    order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
+    None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
+    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split`` (``by="source"``):
+    ``(heads -> which heads are split, offsets [batch], source count)``. ``splits`` collects each split term's
+    ``("split", rounding gap [batch], squared noise [batch])`` (``Readout.split_gap``).
+
+    A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
+    """
+    modes = [planned.mode(by) for planned in terms]
+    modes = ["heads" if m == "sources" and (split is None or not any(split[0](p.parts))) else m
+             for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
+    last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
+    reads, outers = [], {}
+    for k, planned in enumerate(terms):
+        reads.append(read_term(layer, planned, modes[k], rows, positions, own=splits is not None))
+        for path, last in last_user.items():
+            if last == k:
+                outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
+                fit_errors.append(outers[path].fit_error)
+    fit_errors.extend(norm.fit_error for r in reads for norm in r.norms())
+    fit_errors.extend(r.parts.pattern_error for r in reads if isinstance(r.parts, sources.SourceReads))
+    scores, biased = [], set()
+    for k, planned in enumerate(terms):
+        path = planned.term.outer_norm
+        v, stream_constant, after_constant = directions[k]
+        score, rounding = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
+                                     path is not None and path not in biased,
+                                     None if split is None else (split[0](planned.parts),) + split[1:])
+        biased.add(path)
+        if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
+            score[:, -1] += stream_constant.to(score.device)
+        before, after = reads[k].stream_norm, reads[k].stream_norm_after
+        scores.append((score, reads[k].hyper, before.scale if before is not None else None,
+                       (after.scale, after_constant) if after is not None else None))
+        if splits is not None and rounding is not None:
+            splits.append(("split", *rounding))
+    return scores

@@ -1,0 +1,102 @@
+"""Running the batches: one trace per batch, locally or as one NDIF request, with retries; no result built here.
+
+``run_trace`` runs one batch's in-trace call (``trace.LogitCall`` / ``trace.DirectionCall``) and returns its
+``Readout``; ``run`` runs every batch not done yet, in order, with a progress bar, and stops at the first remote
+request that fails for good, returning what completed (``Ran``): the result stage builds the ``Attribution`` or the
+``RemoteBatchError`` from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import nnsight
+import torch
+
+from ..errors import RemoteError
+from ..trace.readout import Readout
+from .remote import register_for_remote, retry_or_raise
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What ``run`` did: ``readouts`` of the batches that completed, in order (the ``done`` ones first), and the
+    ``RemoteError`` that stopped it (None: every batch completed)."""
+
+    readouts: tuple[Readout, ...]
+    error: RemoteError | None = None
+
+
+def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout:
+    """One trace of ``batch`` running ``call.run(model)`` (an in-trace call returning a ``Readout``).
+
+    The head runs on the last positions the batch attributes only (transformers' ``logits_to_keep``), where the
+    family allows it: every prompt's last token with left padding and ``position=-1``.
+
+    ``remote``: False, True (NDIF) or a server URL. Remotely the recipe runs server side and one
+    ``[batch, n_components + len(Readout.FIELDS)]`` tensor comes back; a transient failure (server unreachable, HTTP
+    5xx) is retried ``remote.RETRIES`` times, anything else raises a ``RemoteError`` naming its cause.
+
+    ``intervene``: ``fn(model)``, nnsight code editing the forward pass (see ``attribute``). It runs in the invoke
+    that carries the batch and the recipe in a second, empty invoke over the same rows: an invoke reads modules in
+    forward order, so the recipe (which reads every block from the first) cannot share one with an edit at a later
+    block, and the edits of the first invoke are made before the second reads the same site.
+    """
+    trace_kwargs = {}
+    if remote:
+        register_for_remote()
+        trace_kwargs["remote"] = remote
+    if plan.family.logits_to_keep and keeps_logits(model):  # only the attributed positions need logits
+        trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
+    attempt = 0
+    while True:  # a transient remote failure is retried a bounded number of times (remote.py)
+        try:
+            if intervene is None:
+                with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
+                    packed = call.run(model).pack()
+                    packed = nnsight.save(packed)
+            else:
+                with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
+                    with tracer.invoke(dict(batch.encoding)):
+                        intervene(model)
+                    with tracer.invoke():
+                        packed = call.run(model).pack()
+                        packed = nnsight.save(packed)
+            break
+        except Exception as error:
+            if not remote:
+                raise
+            attempt = retry_or_raise(error, attempt, remote)
+    return Readout.unpack(packed)
+
+
+def keeps_logits(model) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers computes the head on those positions only)."""
+    return "logits_to_keep" in inspect.signature(model._module.forward).parameters
+
+
+def run(model, plan, batches: Sequence, calls: Sequence, *, remote=False, progress: bool | None = None,
+        intervene=None, done: tuple = (), desc: str = "DLA") -> Ran:
+    """Run ``calls[k]`` on ``batches[k]`` for every batch after the ``done`` readouts, in order.
+
+    A local failure raises as it is; a remote request that still fails after its retries stops the run: the
+    returned ``Ran`` holds the readouts so far and the ``RemoteError``. ``progress``: a progress bar over the
+    batches (default: when there is more than one).
+    """
+    todo = list(zip(batches, calls))[len(done):]
+    show = progress if progress is not None else len(batches) > 1
+    if show:
+        from tqdm.auto import tqdm
+
+        todo = tqdm(todo, desc=desc, unit="batch", initial=len(done), total=len(batches))
+    readouts = list(done)
+    for batch, call in todo:
+        try:
+            readouts.append(run_trace(model, plan, batch, call, remote, intervene))
+        except RemoteError as error:
+            if not remote:
+                raise
+            return Ran(tuple(readouts), error)
+    return Ran(tuple(readouts))
