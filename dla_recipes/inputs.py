@@ -336,19 +336,19 @@ def check_length(model, lengths: Sequence[int]) -> None:
 
 def _registered_folder(name: str) -> str | None:
     """The folder of a registered short name (``"smollm2"``, ``"gemma3-270m"``), or None for other names."""
-    from . import models
+    from .loading import models
 
     try:
-        key = models._canonical_key(name)
+        key = models.canonical_key(name)
     except KeyError:
         return None
     return str(models.MODELS[key]())
 
 
 def short_names() -> str:
-    from . import models
+    from .loading import models
 
-    return ", ".join(sorted(set(models.MODELS) | set(models._ALIASES) - {models.DEFAULT_MODEL.lower()}))
+    return ", ".join(sorted(set(models.MODELS) | set(models.ALIASES) - {models.DEFAULT_MODEL.lower()}))
 
 
 def check_source(name: str, *, hub: bool = True) -> str:
