@@ -26,6 +26,7 @@ from .errors import (
 from .families import FAMILIES, ExpertsLayout, Family, LayerKind, Term, family_of
 from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .in_trace import TracedAttribution, trace_attribution
+from .loading import models  # noqa: F401  (dla_recipes.models: the real models fetched from PyPI)
 from .plan import Plan, build_plan
 from .readers import (
     attention_head_outputs,

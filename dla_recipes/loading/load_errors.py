@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import LoadError
+from ..errors import LoadError
 
 # The standardized modules nnterp looks for, the RenameConfig field naming each, and what the module is.
 _STANDARD = {
