@@ -85,13 +85,13 @@ def main(argv=None) -> None:
     import torch
 
     import dla_recipes
-    from dla_recipes.inputs import prepare
+    from dla_recipes.transport.batches import prepare
 
     entry = common.read_json(args.spec)["models"][args.model]
     ctx = local.Context(entry, args.batch)
     model = ctx.model
     enc = ctx.encoding()
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     batch = prepare(model, ctx.prompts, ctx.target)
     rows = torch.arange(args.batch)
     methods = {"trace_logits": local.build_method(ctx, "trace_logits")}
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         methods[f"labels_{by}"] = (lambda by=by: plan.labels(by))
     for by in ("head", "neuron"):
         methods[f"pullbacks_{by}"] = pullbacks(model, args.batch, by)
-    methods["build_plan"] = lambda: dla_recipes.build_plan(model)
+    methods["build_plan"] = lambda: dla_recipes.plan.build_plan(model)
     methods["prepare"] = lambda: prepare(model, ctx.prompts, ctx.target)
     timings = common.time_methods(methods, repeats=args.repeats, warmup=2, baseline="trace_logits")
     profile = cProfile.Profile()

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     import torch
 
     import dla_recipes  # its nnterp shim must load before nnterp
-    from dla_recipes.inputs import prepare
+    from dla_recipes.transport.batches import prepare
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu"))
     if device.type == "cpu":
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     encoding = tok(prompts, return_tensors="pt", padding=True)
     encoding = {k: v.to(device) for k, v in encoding.items() if k in ("input_ids", "attention_mask")}
     assert encoding["input_ids"].shape == (batch, seq), encoding["input_ids"].shape
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     prepared = prepare(model, prompts, target)
     loaded = allocated()
 
@@ -156,14 +156,14 @@ def main(argv=None) -> int:
     def recipe(by):
         import nnsight
 
-        from dla_recipes import direct_logit_attribution
+        from dla_recipes.trace import direct_logit_attribution
 
         def run():
             positions, targets = prepared.positions, prepared.targets
             with torch.no_grad():  # noqa: SIM117 - nnsight finds a trace by its own `with` line
                 with model.trace(dict(encoding)):
                     packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, None, by).pack())
-            readout = dla_recipes.Readout.unpack(packed)
+            readout = dla_recipes.trace.Readout.unpack(packed)
             return float((readout.values.sum(-1) + readout.constant - readout.logit).abs().max())
         return run
 

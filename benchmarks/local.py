@@ -151,9 +151,9 @@ def recipe_trace(model, plan, batch, by: str, remote=False):
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
     with model.trace(dict(batch.encoding), **kwargs):
         packed = nnsight.save(
-            dla_recipes.direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
+            dla_recipes.trace.direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
         )
-    return dla_recipes.Readout.unpack(packed)
+    return dla_recipes.trace.Readout.unpack(packed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def build_method(ctx: Context, name: str):
     import torch
 
     import dla_recipes
-    from dla_recipes.inputs import prepare
+    from dla_recipes.transport.batches import prepare
 
     target_id = ctx.entry["target_id"]
     if name in ("plain_forward", "plain_forward_keep1"):
@@ -196,7 +196,7 @@ def build_method(ctx: Context, name: str):
         return run
     if name.startswith("recipe_"):
         by = name.rsplit("_", 1)[1]
-        plan = dla_recipes.build_plan(model)
+        plan = dla_recipes.plan.build_plan(model)
         batch = prepare(model, ctx.prompts, ctx.target)
 
         def run():

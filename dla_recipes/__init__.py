@@ -5,13 +5,20 @@
     attr = dla_recipes.attribute(model, "The Eiffel Tower is in the city of", " Paris", by="head")
     attr.top(10)                                                          # the parts sum to the model's own logit
 
+The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
+``Attribution``, ``TracedAttribution`` and the errors. The rest is reached through namespaces:
+``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
+``direct_logit_attribution``, ...), ``dla_recipes.families`` (the family table), ``dla_recipes.plan``
+(``build_plan``), ``dla_recipes.models`` (the real models shipped as PyPI wheels), ``dla_recipes.plots`` and
+``dla_recipes.math`` (``FrozenNorm``). "How the code is laid out" in the docs says which stage lives where.
+
 ``import dla_recipes`` first applies the nnterp-on-nnsight-0.8 compatibility fix (``dla_recipes._compat``), so it
 must come before the first ``import nnterp``.
 """
 
 from . import _compat  # noqa: F401  (must run before anything imports nnterp)
-from .api import attribute, attribute_direction, load
-from .attribution import Attribution
+from . import families, math, plan, trace
+from .api import attribute, attribute_direction
 from .errors import (
     DLAError,
     ExactnessError,
@@ -23,30 +30,16 @@ from .errors import (
     TraceUsageError,
     UnknownFamilyError,
 )
-from .families import FAMILIES, ExpertsLayout, Family, LayerKind, Term, family_of
-from .frozen_norm import FrozenNorm, NormProbe, probe_norm
 from .in_trace import TracedAttribution, trace_attribution
-from .loading import models  # noqa: F401  (dla_recipes.models: the real models fetched from PyPI)
-from .plan import Plan, build_plan
-from .readers import (
-    attention_head_outputs,
-    attention_output,
-    layer_input,
-    layer_output,
-    mlp_output,
-    neuron_activations,
-    term_output,
-)
-from .recipe import Readout, decompose, direct_logit_attribution, direction_attribution
-from .remote import RemoteBatchError
+from .loading import models
+from .loading.load import load
+from .present import plots
+from .present.attribution import Attribution
+from .transport.remote import RemoteBatchError
 
 __all__ = [
-    "attribute", "attribute_direction", "load", "Attribution", "trace_attribution", "TracedAttribution",
-    "direct_logit_attribution", "direction_attribution", "decompose", "Readout", "build_plan", "Plan",
-    "FrozenNorm", "NormProbe", "probe_norm",
-    "layer_input", "attention_output", "attention_head_outputs", "mlp_output", "neuron_activations",
-    "layer_output", "term_output",
-    "FAMILIES", "Family", "LayerKind", "Term", "ExpertsLayout", "family_of",
+    "load", "attribute", "attribute_direction", "trace_attribution", "Attribution", "TracedAttribution",
     "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "NonFiniteError",
     "RemoteError", "LoadError", "RemoteBatchError", "TraceUsageError",
+    "families", "math", "models", "plan", "plots", "trace",
 ]

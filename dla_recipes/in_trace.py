@@ -42,14 +42,17 @@ import nnsight
 import torch
 from greenlet import getcurrent
 
-from .errors import TraceUsageError
+from .args import Granularity, check_granularity
+from .errors import InputError, TraceUsageError
 from .families import family_of
-from .inputs import prepare_encoding
-from .plan import Granularity, Plan, _build_plan, check_granularity
-from .recipe import direct_logit_attribution
+from .plan.build import plan_for
+from .plan.plan import Plan
+from .selfcheck import model_dtype
+from .trace.recipe import direct_logit_attribution
+from .transport.batches import prepare_encoding
 
 if TYPE_CHECKING:
-    from .attribution import Attribution
+    from .present.attribution import Attribution
 
 _WHERE = (
     "call dla_recipes.trace_attribution(tracer, ...) either at the top level of `with model.trace() as tracer:`, "
@@ -66,8 +69,9 @@ class TracedAttribution:
         plan, by: what was attributed (the labels come from them).
         prompts, target_tokens, contrast_tokens, positions: each row's text, tokens and own position.
         tolerance: a relative tolerance replacing the self-check's bound (derived from the precision the model
-            computed in, read in the trace, unless given).
-        packed: ``[batch, n_components + 6]`` the recipe's output (``Readout.pack``), None until the trace has run.
+            computed in, read in the trace, unless given).  dtype: the dtype the model's weights are in.
+        packed: ``[batch, n_components + len(Readout.FIELDS)]`` the recipe's output (``Readout.pack``), None until
+            the trace has run.
     """
 
     plan: Plan
@@ -77,6 +81,7 @@ class TracedAttribution:
     contrast_tokens: tuple | None
     positions: tuple
     tolerance: float | None
+    dtype: torch.dtype = torch.float32
     packed: torch.Tensor | None = None
 
     def result(self) -> Attribution:
@@ -84,34 +89,17 @@ class TracedAttribution:
         the parts do not sum to the model's own logit, ``TraceUsageError`` before the trace has run."""
         # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
         # and the Attribution must be the client's own class
-        from dla_recipes.api import EDIT_HINT, check_exact
-        from dla_recipes.attribution import Attribution
         from dla_recipes.errors import ExactnessError, TraceUsageError
-        from dla_recipes.recipe import Readout
+        from dla_recipes.result import EDIT_HINT, Rows, assemble
+        from dla_recipes.trace.readout import Readout
 
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
-        readout = Readout.unpack(self.packed)
+        rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
         try:
-            error = check_exact(readout, self.plan, self.by, None, self.tolerance)
+            return assemble(self.plan, rows, [Readout.unpack(self.packed)], self.by, self.dtype, self.tolerance)
         except ExactnessError as failed:
-            raise ExactnessError(f"{failed}\n\n{EDIT_HINT}") from failed
-        return Attribution(
-            values=readout.values.float(),
-            labels=self.plan.labels(self.by),
-            constant=readout.constant.float(),
-            logit=readout.logit.float(),
-            output_logit=readout.output_logit.float(),
-            error=error,
-            prompts=self.prompts,
-            target_tokens=self.target_tokens,
-            contrast_tokens=self.contrast_tokens,
-            positions=self.positions,
-            by=self.by,
-            family=self.plan.family.name,
-            diagnostics={"norm_fit_error": float(readout.norm_fit_error), "head_error": float(readout.head_error),
-                         "scale": readout.scale},
-        )
+            raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 
     @property
     def value(self) -> Attribution:
@@ -208,20 +196,18 @@ def trace_attribution(
     """
     check_granularity(by)
     if by == "source":
-        from .errors import InputError
-
         raise InputError("trace_attribution does not split heads by source yet: use attribute(..., by='source', "
                          "intervene=fn) for an edited forward pass, or by='head' here")
     placement = _placement(tracer)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
     batch = prepare_encoding(model, encoding, target, contrast, position)
-    plan = _build_plan(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
+    plan = plan_for(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
     shape = tuple(encoding["input_ids"].shape)
     handle = TracedAttribution(
         plan=plan, by=by, prompts=batch.prompts, target_tokens=batch.target_tokens,
         contrast_tokens=batch.contrast_tokens, positions=batch.own_positions,
-        tolerance=tolerance,
+        tolerance=tolerance, dtype=model_dtype(model),
     )
     positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
     if placement == "first":

@@ -10,7 +10,7 @@ run their prompts grouped by length).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -27,14 +27,35 @@ EDIT_HINT = (
 )
 
 
-def assemble(plan, batches: Sequence, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
+class Rows(NamedTuple):
+    """What was attributed, row by row (run order): the prompts, the target and contrast tokens (as text; contrast
+    None without one) and each row's own attributed position."""
+
+    prompts: tuple[str, ...]
+    target_tokens: tuple[str, ...]
+    contrast_tokens: tuple[str, ...] | None
+    positions: tuple[int, ...]
+
+
+def rows_of(batches: Sequence) -> Rows:
+    """The ``Rows`` of batches that ran (``transport.batches.Batch``), in order."""
+    contrast_tokens = [b.contrast_tokens for b in batches]
+    return Rows(
+        prompts=sum((b.prompts for b in batches), ()),
+        target_tokens=sum((b.target_tokens for b in batches), ()),
+        contrast_tokens=None if contrast_tokens[0] is None else sum(contrast_tokens, ()),
+        positions=sum((b.own_positions for b in batches), ()),
+    )
+
+
+def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
              tolerance: float | None = None, stop=None, sources=None, order: Sequence[int] | None = None,
              read_by: str = "") -> Attribution:
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order).
 
     Args:
         plan: the model's ``Plan`` (its components at ``by``, before ``stop``, split by ``sources``).
-        batches: the batches that ran (``transport.batches.Batch``: prompts, tokens, own positions), in order.
+        rows: what the rows attribute (``rows_of(batches)``), in run order.
         readouts: one ``Readout`` per batch.  dtype: the dtype the model computes in (when the trace did not
             measure it).  tolerance: the user's relative tolerance, or None.
         order: the user's index of each prompt in run order; the result's rows are put back in the user's order.
@@ -44,7 +65,6 @@ def assemble(plan, batches: Sequence, readouts: Sequence[Readout], by: str, dtyp
     components = plan.components(by, stop, sources)  # built once: by="neuron" on a large model has ~10^5-10^6
     labels = [component.label for component in components]
     error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels)
-    contrast_tokens = [b.contrast_tokens for b in batches]
     attr = Attribution(
         values=readout.values,
         labels=labels,
@@ -52,10 +72,10 @@ def assemble(plan, batches: Sequence, readouts: Sequence[Readout], by: str, dtyp
         logit=readout.logit,
         output_logit=readout.output_logit,
         error=error,
-        prompts=sum((b.prompts for b in batches), ()),
-        target_tokens=() if read_by else sum((b.target_tokens for b in batches), ()),
-        contrast_tokens=None if contrast_tokens[0] is None else sum(contrast_tokens, ()),
-        positions=sum((b.own_positions for b in batches), ()),
+        prompts=rows.prompts,
+        target_tokens=() if read_by else rows.target_tokens,
+        contrast_tokens=rows.contrast_tokens,
+        positions=rows.positions,
         by=by,
         family=plan.family.name,
         read_by=read_by,

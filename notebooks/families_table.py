@@ -196,7 +196,7 @@ def render() -> str:
     if REFUSED:
         lines += ["| model type | why there is no exact entry yet |", "|---|---|"]
         lines += [f"| `{t}` | {reason} |" for t, reason in sorted(REFUSED.items())]
-        lines += ["", "`dla_recipes.family_of` raises `UnknownFamilyError` with this reason for these types."]
+        lines += ["", "`dla_recipes.families.family_of` raises `UnknownFamilyError` with this reason for these types."]
     else:
         lines.append("None.")
     lines.append("")

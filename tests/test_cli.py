@@ -107,7 +107,7 @@ def test_unknown_dtype_is_refused(folders, capsys):
 
 def test_by_offers_every_granularity(folders, capsys):
     from dla_recipes.__main__ import _parser
-    from dla_recipes.plan import GRANULARITIES
+    from dla_recipes.args import GRANULARITIES
 
     by = next(action for action in _parser()._actions if action.dest == "by")
     assert tuple(by.choices) == GRANULARITIES and "expert" in GRANULARITIES

@@ -30,7 +30,7 @@ LAYER, HEAD = 1, 1
 
 def head_slice(model, layer: int, head: int) -> tuple[str, slice]:
     """The path of block ``layer``'s attention output projection and head ``head``'s slice of its input."""
-    planned = next(p for p in dla_recipes.build_plan(model).layers[layer] if p.term.name == "attn")
+    planned = next(p for p in dla_recipes.plan.build_plan(model).layers[layer] if p.term.name == "attn")
     return planned.term.projection, slice(head * planned.part_width, (head + 1) * planned.part_width)
 
 
@@ -56,7 +56,7 @@ def hooked_logit(model, prompt: str, layer: int, path: str, edit, target=TARGET,
     finally:
         handle.remove()
     logits = logits.float()[[token_id(model, target), token_id(model, contrast)]].double()
-    cap = dla_recipes.build_plan(model).softcap  # a soft-capped model: the parts sum to the logit before the cap
+    cap = dla_recipes.plan.build_plan(model).softcap  # a soft-capped model: the parts sum to the logit before the cap
     if cap is not None:
         logits = cap * torch.atanh(logits / cap)
     return float(logits[0] - logits[1])
@@ -288,7 +288,7 @@ def test_misuse_raises_trace_usage_error():
             pass
     with pytest.raises(dla_recipes.InputError, match="intervene must be a function"):
         dla_recipes.attribute(model, PROMPTS, TARGET, intervene="zero L1.H1")
-    handle = dla_recipes.TracedAttribution(dla_recipes.build_plan(model), "block", (), (), None, (), 1e-4)
+    handle = dla_recipes.TracedAttribution(dla_recipes.plan.build_plan(model), "block", (), (), None, (), 1e-4)
     with pytest.raises(TraceUsageError, match="has not run yet"):
         handle.result()
 

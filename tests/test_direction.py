@@ -53,7 +53,7 @@ def test_parts_sum_to_the_norm_output_along_the_direction(family, sublayer, norm
         expected = float(_hooked_norm_output(model, norm, prompt)[-1] @ v)
         assert float(attr.logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
     # only the terms written before the point are attributed
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     assert f"L{LAYER}.mlp" not in attr.labels and f"L{LAYER - 1}.mlp" in attr.labels
     parallel = plan.layers[LAYER][1].parallel
     assert (f"L{LAYER}.attn" in attr.labels) == (sublayer == "mlp" and not parallel)

@@ -13,7 +13,8 @@ import torch
 
 import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
-from dla_recipes import ExactnessError, Family, FamilyTableError, LayerKind
+from dla_recipes import ExactnessError, FamilyTableError
+from dla_recipes.families import Family, LayerKind
 
 LAYOUTS = ["gpt_oss", "aria_text", "llama4_text", "minimax_m3_vl_text", "cohere2_moe", "falcon_h1", "dbrx",
            "gemma4_moe_ple"]
@@ -27,7 +28,7 @@ def _softcap(z, cap):
 @pytest.mark.parametrize("family", LAYOUTS)
 def test_padded_batch_is_exact_against_each_prompt_alone(family, by):
     model = tiny_model(family)
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     if by == "expert" and not any(p.term.split == "experts" for terms in plan.layers for p in terms):
         with pytest.raises(dla_recipes.InputError, match="no routed experts"):  # a dense family (Falcon-H1)
             dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
@@ -55,7 +56,7 @@ def test_every_expert_that_fired_is_a_part(family):
 
 
 def _without(family_name: str, **layout_changes) -> Family:
-    real = dla_recipes.family_of(tiny_model(family_name))
+    real = dla_recipes.families.family_of(tiny_model(family_name))
     kinds = tuple(LayerKind(tuple(replace(t, layout=replace(t.layout, **layout_changes)) if t.split == "experts"
                                   else t for t in kind.terms), kind.when) for kind in real.kinds)
     return replace(real, kinds=kinds)
@@ -73,38 +74,38 @@ def test_a_layout_that_forgets_a_part_is_refused(family, changes):
     double = _without(family, **changes)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dla_recipes.families, "FAMILIES", (double,))
-        dla_recipes.build_plan.cache_clear()
+        dla_recipes.plan.build_plan.cache_clear()
         try:
             with pytest.raises((ExactnessError, FamilyTableError)):
                 dla_recipes.attribute(model, PROMPTS, TARGET, by="expert")
         finally:
-            dla_recipes.build_plan.cache_clear()
+            dla_recipes.plan.build_plan.cache_clear()
 
 
 def test_gemma4_moe_with_per_layer_inputs_composes_optional_terms():
     """One list of optional terms: every block of the MoE + per-layer-input Gemma-4 writes attn, mlp, experts, ple;
     the plain MoE and plain per-layer-input Gemma-4 models pick their own subsets from the same entry."""
-    names = {f: [[p.term.name for p in terms] for terms in dla_recipes.build_plan(tiny_model(f)).layers]
+    names = {f: [[p.term.name for p in terms] for terms in dla_recipes.plan.build_plan(tiny_model(f)).layers]
              for f in ("gemma4_moe_ple", "gemma4_moe", "gemma4")}
     assert all(layer == ["attn", "mlp", "experts", "ple"] for layer in names["gemma4_moe_ple"])
     assert all(layer == ["attn", "mlp", "experts"] for layer in names["gemma4_moe"])
     assert all(layer == ["attn", "mlp", "ple"] for layer in names["gemma4"])
-    real = dla_recipes.family_of(tiny_model("gemma4_moe_ple"))
+    real = dla_recipes.families.family_of(tiny_model("gemma4_moe_ple"))
     no_ple = replace(real, kinds=(LayerKind(tuple(t for t in real.terms if t.name != "ple")),))
     with pytest.MonkeyPatch.context() as patch:  # the per-layer-input term is needed: without it, a refusal
         patch.setattr(dla_recipes.families, "FAMILIES", (no_ple,))
-        dla_recipes.build_plan.cache_clear()
+        dla_recipes.plan.build_plan.cache_clear()
         try:
             with pytest.raises(ExactnessError):
                 dla_recipes.attribute(tiny_model("gemma4_moe_ple"), PROMPTS, TARGET)
         finally:
-            dla_recipes.build_plan.cache_clear()
+            dla_recipes.plan.build_plan.cache_clear()
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text"])
 def test_bfloat16_experts_are_recomputed_in_float32(family, monkeypatch):
     """Biases, [in, out] and flattened expert weights in bfloat16: sliced float32 products, the bfloat16 bound."""
-    from dla_recipes import recipe
+    from dla_recipes.trace import recipe
     from dla_recipes.testing import tiny
 
     model = dla_recipes.load(tiny.build(family).to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
@@ -163,9 +164,9 @@ def test_falcon_h1_readers_sum_to_the_block_output():
     """The mixer, the attention (config multipliers) and the MLP (a config list item) add up to the block's output."""
     model = tiny_model("falcon_h1")
     with torch.no_grad(), model.trace(PROMPTS):
-        x = dla_recipes.layer_input(model, 1).save()
-        mixer = dla_recipes.term_output(model, 1, "mixer").save()
-        attention = dla_recipes.attention_output(model, 1).save()
-        mlp = dla_recipes.mlp_output(model, 1).save()
-        out = dla_recipes.layer_output(model, 1).save()
+        x = dla_recipes.trace.layer_input(model, 1).save()
+        mixer = dla_recipes.trace.term_output(model, 1, "mixer").save()
+        attention = dla_recipes.trace.attention_output(model, 1).save()
+        mlp = dla_recipes.trace.mlp_output(model, 1).save()
+        out = dla_recipes.trace.layer_output(model, 1).save()
     torch.testing.assert_close(x + mixer + attention + mlp, out, atol=1e-5, rtol=1e-5)

@@ -37,7 +37,7 @@ def test_parts_sum_to_the_models_logit(family, by):
 def test_logit_is_the_plain_forward_logit(family):
     """What the parts sum to is the model's own: a plain transformers forward of each prompt (unpadded)."""
     model = tiny_model(family)
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     target = model.tokenizer.convert_tokens_to_ids(TARGET)
     for prompt in PROMPTS:
         attr = dla_recipes.attribute(model, prompt, TARGET, position=-1)
@@ -46,14 +46,14 @@ def test_logit_is_the_plain_forward_logit(family):
         assert float(_softcap(attr.logit[0], plan.softcap)) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
 
 
-@pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if not dla_recipes.family_of(tiny.config(f)).padding_safe])
+@pytest.mark.parametrize("family", [f for f in tiny.FAMILIES if not dla_recipes.families.family_of(tiny.config(f)).padding_safe])
 def test_padding_unsafe_family_gives_each_prompt_its_own_logit(family):
     """Prompts of different lengths are never padded together on these families: each prompt's parts sum to a plain
     forward of that prompt alone, with no warning, in the user's order."""
     import warnings
 
     model = tiny_model(family)
-    plan = dla_recipes.build_plan(model)
+    plan = dla_recipes.plan.build_plan(model)
     target = model.tokenizer.convert_tokens_to_ids(TARGET)
     prompts = PROMPTS + ["w17 w18"]  # two prompts of one length still share a batch
     with warnings.catch_warnings():
@@ -82,7 +82,7 @@ def test_padding_safety_is_measured(family):
     """A family declared padding-safe must be: its padded batch's logits are each prompt's own (a plain forward of
     the prompt alone). Declared unsafe is always allowed (attribute then never pads its prompts)."""
     model = tiny_model(family)
-    entry = dla_recipes.family_of(model)
+    entry = dla_recipes.families.family_of(model)
     padded = _padded_last_logits(model, PROMPTS)
     alone = torch.stack([plain_logits(model, prompt)[-1] for prompt in PROMPTS])
     moved = ((padded - alone).abs() / alone.abs().clamp(min=1.0)).max()
@@ -110,4 +110,4 @@ def test_refused_model_type_names_its_reason():
 
     for model_type, reason in dla_recipes.families.REFUSED.items():
         with pytest.raises(dla_recipes.UnknownFamilyError, match=re.escape(reason[:40])):
-            dla_recipes.family_of(SimpleNamespace(model_type=model_type))
+            dla_recipes.families.family_of(SimpleNamespace(model_type=model_type))

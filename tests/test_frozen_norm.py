@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dla_recipes import FrozenNorm, probe_norm
+from dla_recipes.math import FrozenNorm, probe_norm
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -140,7 +140,7 @@ def test_norm_without_weights_is_probed_at_the_width_of_its_stream():
     stream reproduces the module's own output."""
     from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
 
-    from dla_recipes.frozen_norm import FrozenNorm, probe_norm
+    from dla_recipes.math.frozen_norm import FrozenNorm, probe_norm
 
     norm = NanoChatRMSNorm(eps=1e-6)
     x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(0)) * 3

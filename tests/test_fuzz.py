@@ -157,7 +157,7 @@ def check_answer(attr, model, expect: Ok) -> None:
     assert attr.values.shape[0] == n and len(attr.labels) == attr.values.shape[1]
     assert bool(torch.isfinite(attr.values).all()) and bool(torch.isfinite(attr.logit).all())
     assert bool(torch.isfinite(attr.output_logit).all())
-    if dla_recipes.build_plan(model).softcap is None:
+    if dla_recipes.plan.build_plan(model).softcap is None:
         torch.testing.assert_close(attr.logit, attr.output_logit, atol=1e-5, rtol=1e-5)
     gaps = (attr.values.sum(-1) + attr.constant - attr.logit).abs()
     assert bool((gaps <= 1e-4 * attr.logit.abs().clamp(min=1)).all()), gaps

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
-from dla_recipes import ExactnessError, Family, LayerKind, Term
+from dla_recipes import ExactnessError
+from dla_recipes.families import Family, LayerKind, Term
 from dla_recipes.testing import tiny
 
 GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "expert"}
@@ -20,7 +21,7 @@ GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "expert"}
 
 def _splits(family: str) -> list[str]:
     """The granularities at which this family's tiny model has something to split."""
-    plan = dla_recipes.build_plan(tiny_model(family))
+    plan = dla_recipes.plan.build_plan(tiny_model(family))
     splits = {planned.term.split for terms in plan.layers for planned in terms if planned.term.split}
     return sorted({GRANULARITY[s] for s in splits} | ({"neuron"} if "experts" in splits else set()))
 
@@ -52,7 +53,7 @@ def test_post_norm_heads_sum_to_what_the_block_adds_not_the_pre_norm_output():
     """Gemma-2: the heads pass through the frozen post-attention norm. A table that forgets the post-norm
     (a deliberately mis-described test double) is caught by the self-check, at head and at block level."""
     model = tiny_model("gemma2")
-    real = dla_recipes.family_of(model)
+    real = dla_recipes.families.family_of(model)
     attention, mlp = real.terms
     forgets_norm = Family("gemma2", real.model_types, (LayerKind((
         Term("attn", attention.output, "heads", attention.projection), mlp)),), softcap=real.softcap)
@@ -68,7 +69,7 @@ def test_post_norm_heads_sum_to_what_the_block_adds_not_the_pre_norm_output():
 def test_mis_described_stream_gate_is_caught():
     """Doge without its per-channel residual gates: the naive sum is wrong and attribute refuses to return it."""
     model = tiny_model("doge")
-    real = dla_recipes.family_of(model)
+    real = dla_recipes.families.family_of(model)
     ungated = Family("doge", real.model_types, (LayerKind(tuple(
         Term(t.name, t.output, t.split, t.projection) for t in real.terms)),))
     with pytest.MonkeyPatch.context() as patch:
@@ -143,5 +144,5 @@ def test_neurons_never_build_a_batch_by_neuron_by_model_tensor(family):
     assert attr.error <= 1e-4 * max(1.0, float(attr.logit.abs().max()))
     # nothing bigger than the forward's own largest activation or the answer itself ([batch, n_components] plus
     # the few scalars packed beside it), and far below the forbidden tensor
-    assert neurons.largest <= max(logits_only.largest, attr.values.numel() + (len(dla_recipes.Readout._SCALARS) + 2) * len(prompts))
+    assert neurons.largest <= max(logits_only.largest, attr.values.numel() + (len(dla_recipes.trace.Readout.FIELDS) + 2) * len(prompts))
     assert neurons.largest * 8 <= forbidden, (neurons.largest, forbidden)

@@ -69,7 +69,7 @@ def test_unknown_family_says_how_to_add_it():
     from transformers import BertConfig
 
     with pytest.raises(UnknownFamilyError, match=r"no family entry for model_type 'bert'.*dla_recipes/families.py"):
-        dla_recipes.family_of(BertConfig())
+        dla_recipes.families.family_of(BertConfig())
 
 
 def test_granularity_error_is_an_input_error_with_a_suggestion(model):
@@ -101,8 +101,8 @@ def test_load_refuses_meta_and_unknown_dtypes(model):
         dla_recipes.load(hf, tokenizer=model.tokenizer, device_map="meta")
     with pytest.raises(InputError, match=r"dtype 'bf17' is not a dtype: use float32 \(fp32\), bfloat16 \(bf16\)"):
         dla_recipes.load(hf, tokenizer=model.tokenizer, dtype="bf17")
-    assert dla_recipes.inputs.check_dtype("bf16") is torch.bfloat16
-    assert dla_recipes.inputs.check_dtype("fp16") is torch.float16 and dla_recipes.inputs.check_dtype("float32") is torch.float32
+    assert dla_recipes.args.check_dtype("bf16") is torch.bfloat16
+    assert dla_recipes.args.check_dtype("fp16") is torch.float16 and dla_recipes.args.check_dtype("float32") is torch.float32
 
 
 def test_load_fails_fast_on_a_missing_folder_or_an_offline_hub(monkeypatch, tmp_path):
@@ -139,7 +139,7 @@ def test_a_folder_or_a_transformers_model_from_it_is_loaded_for_the_user(model, 
     for attr in (by_folder, by_path, by_hf):
         torch.testing.assert_close(attr.values, reference.values, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(attr.logit, reference.logit, atol=1e-5, rtol=1e-5)
-    assert dla_recipes.inputs.check_model(hf) is dla_recipes.inputs.check_model(hf)  # wrapped once
+    assert dla_recipes.loading.load.as_standardized(hf) is dla_recipes.loading.load.as_standardized(hf)  # wrapped once
     with pytest.raises(InputError, match=r"attribute\(\) loads only local folders: load the model once with model = dla_recipes.load\('HuggingFaceTB/x'\)"):
         dla_recipes.attribute("HuggingFaceTB/x", PROMPTS, TARGET)
 

@@ -10,7 +10,7 @@ import torch
 
 import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET
-from dla_recipes import recipe
+from dla_recipes.math import linalg
 from dla_recipes.testing import tiny
 
 
@@ -20,16 +20,16 @@ def test_matmul_f32_matches_the_float32_product(dtype, transpose, monkeypatch):
     torch.manual_seed(0)
     weight = torch.randn(37, 23).to(dtype)
     x = torch.randn(3, 23 if transpose else 37)
-    monkeypatch.setattr(recipe, "CHUNK_ELEMENTS", 50)  # slices of 2 rows: many of them
+    monkeypatch.setattr(linalg, "CHUNK_ELEMENTS", 50)  # slices of 2 rows: many of them
     expected = x @ weight.float().T if transpose else x @ weight.float()
-    torch.testing.assert_close(recipe.matmul_f32(x, weight, transpose), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linalg.matmul_f32(x, weight, transpose), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "gpt2"])
 def test_bfloat16_model_is_attributed_in_float32(family, monkeypatch):
     model = dla_recipes.load(tiny.build(family).to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
     whole = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
-    monkeypatch.setattr(recipe, "CHUNK_ELEMENTS", 64)  # the same, a few rows of each weight at a time
+    monkeypatch.setattr(linalg, "CHUNK_ELEMENTS", 64)  # the same, a few rows of each weight at a time
     sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
     assert whole.values.dtype == torch.float32
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)

@@ -15,7 +15,7 @@ from dla_recipes.testing import tiny
 
 
 def _plain_sum_family(family: str) -> bool:
-    entry = dla_recipes.family_of(tiny.config(family))
+    entry = dla_recipes.families.family_of(tiny.config(family))
     terms = [t for kind in entry.kinds for t in kind.terms]
     return (entry.layer_scale is None and entry.collapse is None and {t.name for t in terms} == {"attn", "mlp"}
             and not any(t.stream_scale or t.stream_bias or t.hyper or t.router or t.stream_norm or t.stream_multiplier
@@ -30,13 +30,13 @@ PLAIN = [f for f in tiny.FAMILIES if _plain_sum_family(f)]
 def test_input_plus_sublayers_is_the_output(family):
     model = tiny_model(family)
     layer = 1
-    split = dla_recipes.readers.find_term(model, layer, "attn").split == "heads"  # no heads: a position convolution
+    split = dla_recipes.trace.readers.find_term(model, layer, "attn").split == "heads"  # no heads: a position convolution
     with torch.no_grad(), model.trace(PROMPTS):
-        x = dla_recipes.layer_input(model, layer).save()
-        heads = dla_recipes.attention_head_outputs(model, layer).save() if split else x
-        attention = dla_recipes.attention_output(model, layer).save()
-        mlp = dla_recipes.mlp_output(model, layer, batch_size=len(PROMPTS)).save()
-        out = dla_recipes.layer_output(model, layer).save()
+        x = dla_recipes.trace.layer_input(model, layer).save()
+        heads = dla_recipes.trace.attention_head_outputs(model, layer).save() if split else x
+        attention = dla_recipes.trace.attention_output(model, layer).save()
+        mlp = dla_recipes.trace.mlp_output(model, layer, batch_size=len(PROMPTS)).save()
+        out = dla_recipes.trace.layer_output(model, layer).save()
     torch.testing.assert_close(x + attention + mlp, out, atol=1e-5, rtol=1e-5)
     assert not split or (heads.shape[:2] == x.shape[:2] and heads.shape[2] == model.num_heads)
 
@@ -48,8 +48,8 @@ def test_enough_families_are_checked():
 def test_neuron_activations_are_the_down_projections_input():
     model = tiny_model("llama")
     with torch.no_grad(), model.trace(PROMPTS):
-        acts = dla_recipes.neuron_activations(model, 0).save()
-        mlp = dla_recipes.mlp_output(model, 0).save()
+        acts = dla_recipes.trace.neuron_activations(model, 0).save()
+        mlp = dla_recipes.trace.mlp_output(model, 0).save()
     weight = model.layers[0].mlp.down_proj.weight
     torch.testing.assert_close(acts @ weight.T, mlp, atol=1e-5, rtol=1e-5)
 
@@ -58,4 +58,4 @@ def test_mixture_of_attention_has_no_head_tensor():
     model = tiny_model("jetmoe")
     with pytest.raises(ValueError, match="mixture of attention"):
         with model.trace(PROMPTS):
-            dla_recipes.attention_head_outputs(model, 0)
+            dla_recipes.trace.attention_head_outputs(model, 0)

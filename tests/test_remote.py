@@ -126,15 +126,16 @@ def test_model_not_hosted(server, tmp_path):
 
 def test_server_side_exception(server):
     """An exception inside the remote trace comes back as a RemoteError naming it (here an out-of-range position)."""
-    from dla_recipes.api import run_trace
-    from dla_recipes.inputs import prepare
+    from dla_recipes.transport.run import run_trace
+    from dla_recipes.transport.batches import prepare
 
     model = server.remote_model("llama")
     batch = prepare(model, PROMPTS[0], TARGET)
     object.__setattr__(batch, "positions", torch.tensor([999]))  # bypass the client-side check on purpose
     with server.client(), pytest.raises(RemoteError, match=r"failed on the NDIF server at .*: IndexError: index 999 is out of bounds"):
-        args = (dla_recipes.build_plan(model), batch.positions, batch.targets, None, "block")
-        run_trace(model, args[0], batch, dla_recipes.direct_logit_attribution, args, remote=True)
+        plan = dla_recipes.plan.build_plan(model)
+        call = dla_recipes.trace.LogitCall(plan, batch.positions, batch.targets, None, "block")
+        run_trace(model, plan, batch, call, remote=True)
 
 
 # -- transient failures are retried; a batch that fails for good keeps what completed --------------------------------
@@ -142,7 +143,7 @@ def test_server_side_exception(server):
 
 def test_a_transient_failure_is_retried(server, monkeypatch):
     """A 503 (a deployment restarting) is retried; the answer equals a run that never failed."""
-    from dla_recipes import remote as remote_module
+    from dla_recipes.transport import remote as remote_module
 
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
     model = server.remote_model("llama")
@@ -157,13 +158,13 @@ def test_a_transient_failure_is_retried(server, monkeypatch):
 
 def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypatch):
     from dla_recipes import RemoteBatchError
-    from dla_recipes import remote as remote_module
+    from dla_recipes.transport import remote as remote_module
 
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
     model = server.remote_model("gpt2")
     prompts = [f"w{i} w{i + 1} w{i + 2}" + " w3" * (i % 2) for i in range(6)]
     sent = []
-    real_run_trace = dla_recipes.api.run_trace
+    real_run_trace = dla_recipes.transport.run.run_trace
 
     def run_trace(*args, **kwargs):  # make request 2 of 3 fail for good: three 503s in a row
         sent.append(args[2].prompts)
@@ -171,7 +172,7 @@ def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypat
             server.make_unavailable(remote_module.RETRIES + 1)
         return real_run_trace(*args, **kwargs)
 
-    monkeypatch.setattr(dla_recipes.api, "run_trace", run_trace)
+    monkeypatch.setattr(dla_recipes.transport.run, "run_trace", run_trace)
     with server.client():
         whole = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, remote=True)
         sent.clear()
@@ -200,7 +201,7 @@ def test_errors_that_would_fail_again_are_not_retried(server):
 def test_transient_classification():
     import httpx
 
-    from dla_recipes.remote import is_transient
+    from dla_recipes.transport.remote import is_transient
 
     request = httpx.Request("POST", "http://127.0.0.1:1/request")
 

@@ -38,12 +38,12 @@ def test_dropping_a_term_kind_breaks_exactness(entry, tiny_name, field, by, monk
     )
     crippled = dataclasses.replace(family, kinds=kinds)
     monkeypatch.setattr(families, "FAMILIES", tuple(crippled if f is family else f for f in families.FAMILIES))
-    dla_recipes.build_plan.cache_clear()
+    dla_recipes.plan.build_plan.cache_clear()
     try:
         with pytest.raises(dla_recipes.ExactnessError, match="parts sum to"):
             dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
     finally:
-        dla_recipes.build_plan.cache_clear()
+        dla_recipes.plan.build_plan.cache_clear()
 
 
 @pytest.mark.parametrize("model_type", ["dory", "gemma3n_text", "qwen4_exp_text", "inkling2_text", "inkling2_loop_text",
@@ -53,5 +53,5 @@ def test_types_no_term_kind_describes_are_refused_with_the_reason(model_type):
 
     reason = families.REFUSED[model_type]
     with pytest.raises(dla_recipes.UnknownFamilyError, match="refuses model_type") as refusal:
-        dla_recipes.family_of(SimpleNamespace(model_type=model_type))
+        dla_recipes.families.family_of(SimpleNamespace(model_type=model_type))
     assert reason in str(refusal.value)

@@ -11,7 +11,8 @@ import torch
 from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
 
 import dla_recipes
-from dla_recipes import batching, check
+from dla_recipes.transport import batches as batching
+from dla_recipes import selfcheck as check
 from dla_recipes.testing import tiny
 
 
@@ -147,7 +148,7 @@ def test_gemma_norm_gain_is_read_in_float32():
     norm = model._module.model.norm
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(-0.3, 0.7, norm.weight.numel()).to(torch.bfloat16))
-    probe = dla_recipes.probe_norm(norm)
+    probe = dla_recipes.math.probe_norm(norm)
     expected = 1.0 + norm.weight.float()
     expected = expected.detach()
     assert float((probe.gain - expected).abs().max()) < 1e-5

@@ -20,7 +20,7 @@ from typing import Callable
 
 import nnsight
 
-from .errors import DLAError, RemoteError
+from ..errors import DLAError, RemoteError
 
 RETRIES = 2  # extra tries of a request after a transient failure (so at most 3 sends)
 BACKOFF_S = 0.5  # wait before retry ``attempt`` (0, 1, ...): BACKOFF_S * 2**attempt seconds

@@ -22,6 +22,6 @@ where = [tuple(int(x) for x in re.findall(r"\d+", label)) for label in top["comp
 acts = []  # bound outside the trace, filled inside
 with torch.no_grad(), model.trace(prompt):  # their activations at the last token: the down projection's input
     for layer, n in sorted(where):
-        acts.append(nnsight.save(dla_recipes.neuron_activations(model, layer)[0, -1, n]))
+        acts.append(nnsight.save(dla_recipes.trace.neuron_activations(model, layer)[0, -1, n]))
 print("activations:", {f"L{layer}.N{n}": round(float(a), 3) for (layer, n), a in zip(sorted(where), acts)})
 plots.show(plots.top_bar(neurons, k=20))

@@ -14,18 +14,18 @@ paris, rome = (model.tokenizer.encode(t, add_special_tokens=False)[0] for t in (
 
 terms, heads = {}, []  # bound outside the trace: the trace fills them with saved values
 with torch.no_grad(), model.trace(prompt):  # read in forward order, at the last position: [d_model] each
-    terms["embed"] = nnsight.save(dla_recipes.layer_input(model, 0)[0, -1])  # block 0's input: the embedding
+    terms["embed"] = nnsight.save(dla_recipes.trace.layer_input(model, 0)[0, -1])  # block 0's input: the embedding
     for i in range(n):
-        heads.append(nnsight.save(dla_recipes.attention_head_outputs(model, i)[0, -1]))  # [heads, head_dim]
-        terms[f"L{i}.attn"] = nnsight.save(dla_recipes.attention_output(model, i)[0, -1])
-        terms[f"L{i}.mlp"] = nnsight.save(dla_recipes.mlp_output(model, i)[0, -1])
-    stream = nnsight.save(dla_recipes.layer_output(model, n - 1)[0, -1])  # what the final norm reads
+        heads.append(nnsight.save(dla_recipes.trace.attention_head_outputs(model, i)[0, -1]))  # [heads, head_dim]
+        terms[f"L{i}.attn"] = nnsight.save(dla_recipes.trace.attention_output(model, i)[0, -1])
+        terms[f"L{i}.mlp"] = nnsight.save(dla_recipes.trace.mlp_output(model, i)[0, -1])
+    stream = nnsight.save(dla_recipes.trace.layer_output(model, n - 1)[0, -1])  # what the final norm reads
     normed = nnsight.save(model.ln_final.output[0, -1])  # what it returns
     logits = nnsight.save(model.logits[0, -1])  # the model's own logits
 print("stream == sum of terms:", torch.allclose(sum(terms.values()), stream, atol=1e-4))
 
 with torch.no_grad():
-    frozen = dla_recipes.FrozenNorm(model.ln_final._module, stream, output=normed)  # probes, then fits the scale
+    frozen = dla_recipes.math.FrozenNorm(model.ln_final._module, stream, output=normed)  # probes, then fits the scale
     row = model.lm_head.weight[paris] - model.lm_head.weight[rome]  # the unembedding of the difference
     dla = pd.Series({name: float(frozen(term) @ row) for name, term in terms.items()})
     constant = float(frozen.bias @ row)  # the norm's bias (zero on RMSNorm; lm_head has none)
