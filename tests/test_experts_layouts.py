@@ -105,12 +105,12 @@ def test_gemma4_moe_with_per_layer_inputs_composes_optional_terms():
 @pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text"])
 def test_bfloat16_experts_are_recomputed_in_float32(family, monkeypatch):
     """Biases, [in, out] and flattened expert weights in bfloat16: sliced float32 products, the bfloat16 bound."""
-    from dla_recipes.trace import recipe
+    from dla_recipes.math import linalg
     from dla_recipes.testing import tiny
 
     model = dla_recipes.load(tiny.build(family).to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
     whole = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
-    monkeypatch.setattr(recipe, "CHUNK_ELEMENTS", 64)  # a few rows of each expert's weight at a time
+    monkeypatch.setattr(linalg, "CHUNK_ELEMENTS", 64)  # a few rows of each expert's weight at a time
     sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
     bound = whole.diagnostics["bound"]  # derived from bfloat16's rounding (check.py); attribute checked it too
