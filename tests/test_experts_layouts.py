@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes import ExactnessError, Family, FamilyTableError, LayerKind
 
 LAYOUTS = ["gpt_oss", "aria_text", "llama4_text", "minimax_m3_vl_text", "cohere2_moe", "falcon_h1", "dbrx",
@@ -72,7 +72,7 @@ def test_a_layout_that_forgets_a_part_is_refused(family, changes):
     model = tiny_model(family)
     double = _without(family, **changes)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dla_recipes.families, "FAMILIES", (double,))
+        patch.setattr(dla_recipes.families.table, "FAMILIES", (double,))
         dla_recipes.build_plan.cache_clear()
         try:
             with pytest.raises((ExactnessError, FamilyTableError)):
@@ -92,7 +92,7 @@ def test_gemma4_moe_with_per_layer_inputs_composes_optional_terms():
     real = dla_recipes.family_of(tiny_model("gemma4_moe_ple"))
     no_ple = replace(real, kinds=(LayerKind(tuple(t for t in real.terms if t.name != "ple")),))
     with pytest.MonkeyPatch.context() as patch:  # the per-layer-input term is needed: without it, a refusal
-        patch.setattr(dla_recipes.families, "FAMILIES", (no_ple,))
+        patch.setattr(dla_recipes.families.table, "FAMILIES", (no_ple,))
         dla_recipes.build_plan.cache_clear()
         try:
             with pytest.raises(ExactnessError):
