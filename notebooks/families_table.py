@@ -4,7 +4,7 @@
     python notebooks/families_table.py OUT.md     # write it
 
 ``notebooks/mkdocs_hook.py`` calls ``render()`` at build time and adds the result to the site as
-``family-table.md``, so the page always lists what ``dla_recipes/families.py`` holds: each model type, what each
+``family-table.md``, so the page always lists what ``dla_recipes/families/`` holds: each model type, what each
 kind of block writes into the residual stream, the granularities it splits into, whether left padding is safe, a
 few well-known checkpoints of that type, and the model types refused with the reason (``families.REFUSED``).
 ``count()`` is the number of model types with an entry (the README quotes it; a test keeps the two equal).
@@ -168,18 +168,18 @@ def render() -> str:
     lines = [
         "# Family table",
         "",
-        f"dla_recipes has an entry for **{count()} model types** (`config.model_type`) in {len(FAMILIES)} family "
+        (f"dla_recipes has an entry for **{count()} model types** (`config.model_type`) in {len(FAMILIES)} family "
         "entries; every entry's tiny perturbed model is checked in the test suite against the model's own logits "
         "at every granularity, and its padded batch against each prompt alone. This page is generated from "
-        "`dla_recipes/families.py` (`notebooks/families_table.py`).",
+        "`dla_recipes/families/` (`notebooks/families_table.py`)."),
         "",
-        "*What each block writes*: each term's label, the module whose output is added (paths below "
+        ("*What each block writes*: each term's label, the module whose output is added (paths below "
         "`model.layers[i]` in nnterp's renamed vocabulary: `self_attn`, `mlp`, then native names), where it splits "
-        "into heads / neurons / experts, and the kind of block it applies to when a family has several.",
+        "into heads / neurons / experts, and the kind of block it applies to when a family has several."),
         "",
-        "*Padding safe*: left padding leaves each prompt's logits unchanged (measured on the tiny model; declared "
+        ("*Padding safe*: left padding leaves each prompt's logits unchanged (measured on the tiny model; declared "
         "unsafe where a recurrent state, a convolution or a sparse-attention indexer may read the pads). A "
-        "padding-unsafe family's prompts are never attributed padded.",
+        "padding-unsafe family's prompts are never attributed padded."),
         "",
         "## Model types",
         "",

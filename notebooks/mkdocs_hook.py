@@ -12,7 +12,7 @@ cell). A link to a ``.ipynb`` or ``.py`` that is not in the site, or a table-of-
 its page, is a warning (an error under ``--strict``).
 
 plotly.min.js is served from the installed plotly package (no CDN: the site works offline). The family table page
-(``family-table.md``) is generated from ``dla_recipes/families.py`` by ``notebooks/families_table.py``.
+(``family-table.md``) is generated from ``dla_recipes/families/`` by ``notebooks/families_table.py``.
 """
 
 from __future__ import annotations

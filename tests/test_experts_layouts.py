@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes import ExactnessError, FamilyTableError
 from dla_recipes.families import Family, LayerKind
 
@@ -73,7 +73,7 @@ def test_a_layout_that_forgets_a_part_is_refused(family, changes):
     model = tiny_model(family)
     double = _without(family, **changes)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dla_recipes.families, "FAMILIES", (double,))
+        patch.setattr(dla_recipes.families.table, "FAMILIES", (double,))
         dla_recipes.plan.build_plan.cache_clear()
         try:
             with pytest.raises((ExactnessError, FamilyTableError)):
@@ -93,7 +93,7 @@ def test_gemma4_moe_with_per_layer_inputs_composes_optional_terms():
     real = dla_recipes.families.family_of(tiny_model("gemma4_moe_ple"))
     no_ple = replace(real, kinds=(LayerKind(tuple(t for t in real.terms if t.name != "ple")),))
     with pytest.MonkeyPatch.context() as patch:  # the per-layer-input term is needed: without it, a refusal
-        patch.setattr(dla_recipes.families, "FAMILIES", (no_ple,))
+        patch.setattr(dla_recipes.families.table, "FAMILIES", (no_ple,))
         dla_recipes.plan.build_plan.cache_clear()
         try:
             with pytest.raises(ExactnessError):

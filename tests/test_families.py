@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes.testing import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_padding_safety_is_measured(family):
     if entry.padding_safe:
         assert float(moved) <= 1e-4, (
             f"{family}: declared padding_safe, but left padding moves its logits by {float(moved):.3g} (relative); "
-            "set padding_safe=False on its entry in dla_recipes/families.py"
+            "set padding_safe=False on its entry in dla_recipes/families/"
         )
 
 

@@ -8,10 +8,10 @@ attribution to what zeroing it does to the model's own attention output.
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 from dla_recipes import ExactnessError
 from dla_recipes.families import Family, LayerKind, Term
 from dla_recipes.testing import tiny
@@ -61,7 +61,7 @@ def test_post_norm_heads_sum_to_what_the_block_adds_not_the_pre_norm_output():
         Term("attn", "self_attn.output", "heads", attention.projection), mlp)),), softcap=real.softcap)
     for double, by in [(forgets_norm, "head"), (reads_pre_norm, "block")]:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(dla_recipes.families, "FAMILIES", (double,))
+            patch.setattr(dla_recipes.families.table, "FAMILIES", (double,))
             with pytest.raises(ExactnessError, match="family 'gemma2': the parts sum to"):
                 dla_recipes.attribute(model, PROMPTS, TARGET, by=by)
 
@@ -73,7 +73,7 @@ def test_mis_described_stream_gate_is_caught():
     ungated = Family("doge", real.model_types, (LayerKind(tuple(
         Term(t.name, t.output, t.split, t.projection) for t in real.terms)),))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dla_recipes.families, "FAMILIES", (ungated,))
+        patch.setattr(dla_recipes.families.table, "FAMILIES", (ungated,))
         with pytest.raises(ExactnessError, match="family 'doge'"):
             dla_recipes.attribute(model, PROMPTS, TARGET)
 
@@ -138,9 +138,8 @@ def test_neurons_never_build_a_batch_by_neuron_by_model_tensor(family):
     forbidden = len(prompts) * config.intermediate_size * config.hidden_size
     with _LargestAllocation() as neurons:
         attr = dla_recipes.attribute(model, prompts, TARGET, by="neuron")
-    with _LargestAllocation() as logits_only:
-        with model.trace(prompts):
-            model.logits.save()
+    with _LargestAllocation() as logits_only, model.trace(prompts):
+        model.logits.save()
     assert attr.error <= 1e-4 * max(1.0, float(attr.logit.abs().max()))
     # nothing bigger than the forward's own largest activation or the answer itself ([batch, n_components] plus
     # the few scalars packed beside it), and far below the forbidden tensor

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import PROMPTS, TARGET, tiny_model
 
 import dla_recipes
-from conftest import PROMPTS, TARGET, tiny_model
 from dla_recipes import InputError, UnknownFamilyError
 
 
@@ -68,7 +68,7 @@ def test_non_integer_position(model):
 def test_unknown_family_says_how_to_add_it():
     from transformers import BertConfig
 
-    with pytest.raises(UnknownFamilyError, match=r"no family entry for model_type 'bert'.*dla_recipes/families.py"):
+    with pytest.raises(UnknownFamilyError, match=r"no family entry for model_type 'bert'.*dla_recipes/families/"):
         dla_recipes.families.family_of(BertConfig())
 
 

@@ -37,7 +37,7 @@ def test_dropping_a_term_kind_breaks_exactness(entry, tiny_name, field, by, monk
         for kind in family.kinds
     )
     crippled = dataclasses.replace(family, kinds=kinds)
-    monkeypatch.setattr(families, "FAMILIES", tuple(crippled if f is family else f for f in families.FAMILIES))
+    monkeypatch.setattr(families.table, "FAMILIES", tuple(crippled if f is family else f for f in families.FAMILIES))
     dla_recipes.plan.build_plan.cache_clear()
     try:
         with pytest.raises(dla_recipes.ExactnessError, match="parts sum to"):

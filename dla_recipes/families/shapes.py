@@ -1,0 +1,162 @@
+"""Shapes shared by several family entries: block layouts (``LLAMA_LIKE``, ``SANDWICH``, ...), the terms they are
+made of (``ATTENTION``, ``DENSE_MLP``, ``ROUTED``, ...), builders of layer kinds (``sequential``, ``moe_kinds``,
+``granite_moe_kinds``) and the computed scalars and collapse weights entries point to (``depth_scale``,
+``beam_write``, ``hyper_head_weights``, ...)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from .schema import LayerKind, Term
+
+
+def sequential(
+    attn_proj: str = "o_proj",
+    mlp_proj: str = "down_proj",
+    *,
+    attn_post: str | None = None,
+    mlp_post: str | None = None,
+    multiplier: str | None = None,
+    reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
+    parallel: bool | str = False,
+    values: str | None = "self_attn.v_proj.output",
+    values_layout: str | None = None,
+) -> tuple[LayerKind, ...]:
+    """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
+    attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
+    mlp_out = f"{mlp_post}.output" if mlp_post else "mlp.output"
+    return (
+        LayerKind(
+            (
+                Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
+                     reads=reads[0], values=values, values_layout=values_layout),
+                Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
+                     reads=reads[1], parallel=parallel),
+            )
+        ),
+    )
+
+
+LLAMA_LIKE = sequential()
+ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm",
+                 values="self_attn.v_proj.output")
+MLA = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")  # values inside kv_b_proj
+DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
+ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
+SANDWICH = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                      reads=("input_layernorm", "pre_feedforward_layernorm"))  # Gemma 2 / 3: norms around both
+OPT_LIKE = LayerKind((  # OPT, XGLM, BioGPT: fc1 / fc2 sit on the block
+    Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
+    Term("mlp", "fc2.output", "neurons", "fc2", reads="final_layer_norm"),
+))
+POST_NORM_ONLY = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+                            reads=(None, None))  # OLMo 2 / 3, EXAONE-4: the sublayers read the raw stream
+
+
+def moe_kinds(shared_first: bool = False, attention: Term = ATTENTION, post_norm: str | None = None,
+              mixer: tuple[Term, str] | None = None, mlp_reads: str = "post_attention_layernorm",
+              down: str = "down_proj") -> tuple[LayerKind, ...]:
+    """Attention, then routed experts with a shared expert (``shared_experts``, ``shared_expert`` or
+    ``shared_mlp``), routed experts alone, or a dense MLP: whichever the block has. ``post_norm``: a norm inside the
+    MoE module after the sum (A.X-K1). ``mixer``: a second kind of token mixer and the path that marks its blocks."""
+    def routed(shared):
+        return Term("mlp", "mlp.output", "experts", "mlp.experts", shared=shared and f"{shared}.down_proj",
+                    shared_first=shared_first, post_norm=post_norm, reads=mlp_reads)
+    mlps = [(routed(f"mlp.{name}"), (f"mlp.{name}",)) for name in ("shared_experts", "shared_expert", "shared_mlp")]
+    dense = Term("mlp", "mlp.output", "neurons", f"mlp.{down}", reads=mlp_reads)
+    mlps += [(routed(None), ("mlp.experts",)), (dense, ())]
+    mixers = [(mixer[0], (mixer[1],)), (attention, ())] if mixer else [(attention, ())]
+    return tuple(LayerKind((m, mlp), when=m_when + mlp_when or None) for m, m_when in mixers for mlp, mlp_when in mlps)
+
+
+def granite_moe_kinds() -> tuple[LayerKind, ...]:
+    """Granite MoE blocks: attention or a Mamba mixer, then routed experts and / or a shared MLP, every write times
+    ``residual_multiplier``."""
+    mult = "residual_multiplier"
+    experts = Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier=mult, reads="post_attention_layernorm")
+    shared = Term("shared_mlp", "shared_mlp.output", "neurons", "shared_mlp.output_linear", multiplier=mult,
+                  reads="post_attention_layernorm")
+    mixers = (
+        (Term("mixer", "mamba.output", multiplier=mult, reads="input_layernorm"), "mamba"),
+        (Term("attn", "self_attn.output", "heads", "self_attn.o_proj", multiplier=mult, reads="input_layernorm"),
+         "self_attn"),
+    )
+    mlps = (
+        ((experts, replace(shared, parallel=True)), ("mlp.experts", "shared_mlp")),
+        ((experts,), ("mlp.experts",)),
+        ((shared,), ("shared_mlp",)),
+    )
+    return tuple(LayerKind((mixer, *terms), when=(has, *when)) for mixer, has in mixers for terms, when in mlps)
+
+
+def hyper_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(rmsnorm(flat)) * scale + base) + eps``,
+    computed with the module's own norm and parameters from the streams it reads ``[batch, streams, d_model]``."""
+    flat = head.input_norm(streams.flatten(-2).float())
+    mixes = flat @ head.hc_fn.float().T
+    return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
+def cohere2_moe_mean(config) -> float:
+    """Cohere-2-MoE's routed and shared experts are averaged (each halved) under the "average" strategy."""
+    averaged = config.num_shared_experts > 0 and config.shared_expert_combination_strategy == "average"
+    return 0.5 if averaged else 1.0
+
+
+def depth_scale(config, layer: int) -> float:
+    """MiniCPM's residual scale ``scale_depth / sqrt(num_hidden_layers)`` (a computed scalar)."""
+    return config.scale_depth / math.sqrt(config.num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class beam_write:  # used like a function: ``beam_write(sublayer)(config, layer)``
+    """Beam's depth-scaled add: the n-th add (``n = 2 (layer + 1) + sublayer``) writes ``write / sqrt(n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        return 1.0 / math.sqrt(2 * (layer + 1) + self.sublayer)
+
+
+@dataclass(frozen=True)
+class beam_stream:
+    """Beam's depth-scaled add: the n-th add keeps ``stream * sqrt((n - 1) / n)``."""
+
+    sublayer: int
+
+    def __call__(self, config, layer: int) -> float:
+        n = 2 * (layer + 1) + self.sublayer
+        return math.sqrt((n - 1) / n)
+
+
+def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
+    """HY-V4's final collapse weights ``[batch, streams]``: ``sigmoid(fn(flat) * rms(flat)^-1 * scale + base) + eps``,
+    computed with the module's own norm and parameters from the streams it reads ``[batch, streams, d_model]``."""
+    flat = streams.flatten(-2).float()
+    mixes = (flat @ head.hc_fn.float().T) * head.input_norm(flat)
+    return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
+
+
+INKLING_ATTENTION = Term("attn", "attn_sconv.output", "heads", "self_attn.o_proj", position_conv="attn_sconv",
+                         reads="input_layernorm")
+RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
+                        output_gate="feed_forward.receptance", reads="ln2")
+
+
+QWEN_NEXT_KINDS = tuple(
+    LayerKind((mixer, mlp), when=(has, when))
+    for mixer, has in ((Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
+                       (ATTENTION, "self_attn.o_proj"))
+    for mlp, when in (
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"),
+         "mlp.shared_expert_gate"),
+        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+              reads="post_attention_layernorm"), "mlp.shared_expert"),
+        (ROUTED, "mlp.experts"),
+        (DENSE_MLP, "mlp.down_proj"),
+    )
+)  # Qwen3-Next blocks: a mixer (gated DeltaNet, or attention) x an MLP kind
