@@ -138,7 +138,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
         raise ExactnessError(
             f"family {plan.family.name!r}: the family table's final head (logit scale {plan.logit_scale}, soft-cap "
             f"{plan.softcap}) does not reproduce the model's output logits (off by {head_error:.3g} > "
-            f"{head_bound:.3g}); fix its logits_times / logits_over / softcap entry in dla_recipes/families.py"
+            f"{head_bound:.3g}); fix its logits_times / logits_over / softcap entry in the family table (dla_recipes/families/)"
         )
     split = readout.split_gap.abs()
     if bool((split > split_bound).any()):

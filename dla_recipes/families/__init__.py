@@ -1,6 +1,6 @@
 """The family table: every per-family fact dla_recipes uses, as data, in this one package.
 
-The attribution math (``recipe.py``) never asks which family it runs on. It asks this table three questions, and
+The attribution math (``dla_recipes.trace``) never asks which family it runs on. It asks this table three questions, and
 each family answers with one ``Family`` entry:
 
 1. **What does each block add to its residual stream?** A tuple of ``Term``: where the added tensor is read

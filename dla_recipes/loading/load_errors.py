@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LoadError
+from ..families import text_config
 
 # The standardized modules nnterp looks for, the RenameConfig field naming each, and what the module is.
 _STANDARD = {
@@ -72,7 +73,7 @@ def load_error(model, error: BaseException) -> LoadError:
     """A ``LoadError`` for an nnterp load failure: the model type, what nnterp could not find, and the fix."""
     root = _torch_model(model)
     config = getattr(root, "config", None)
-    model_type = getattr(getattr(config, "text_config", None) or config, "model_type", None) or "unknown"
+    model_type = getattr(text_config(config) if config is not None else None, "model_type", None) or "unknown"
     name = type(root).__name__ if root is not None else str(model)
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
     if error.__cause__ is not None:  # nnterp wraps the failure of its input/output check

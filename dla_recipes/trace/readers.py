@@ -130,7 +130,7 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
     if term.split != "heads":
         raise InputError(
             f"block {i}'s attention does not split into heads in this family ({family_of(model).name}): "
-            "its write is read as one term (see its notes in dla_recipes/families.py)"
+            "its write is read as one term (see its notes in the family table, dla_recipes/families/)"
         )
     heads = int(getattr(model, "num_heads", None) or text_config(model).num_attention_heads)
     value = read_site(model.layers[i], f"{term.projection}.input")
