@@ -1,6 +1,6 @@
 """Remote measurements on the loopback NDIF server: ``python benchmarks/remote.py --spec SPEC [--quick]``.
 
-The server (``dla_recipes.testing.loopback_ndif``) runs nnsight's real remote protocol and the ``ndif`` package's
+The server (``dla_recipes.testing.loopback``) runs nnsight's real remote protocol and the ``ndif`` package's
 own execution code in a separate, single-threaded process. For each served model, prompt length and method it
 records the server's per-request ``request_bytes`` (the serialized trace the client sends), ``result_bytes`` (the
 serialized result the client downloads), ``seconds`` (round trip, server clock: from the client's send stamp to
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     import dla_recipes
-    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from dla_recipes.testing.loopback import LoopbackServer
 
     spec = common.read_json(args.spec)
     out_root = Path(args.spec).parent

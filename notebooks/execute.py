@@ -183,14 +183,14 @@ def _recipe_env(path: Path, keep_ndif_key: bool = False):
     The recipe reads what a real NDIF user sets: ``NDIF_API_KEY`` and ``NDIF_HOST`` (which nnsight reads at
     import) and ``NDIF_MODEL`` (the model to load). The loopback server serves the default model's folder under a
     name; an IPython startup file maps that folder to the name in nnsight's model-key cache, the one step a hub
-    lookup does for a real model id (``dla_recipes.testing.loopback_ndif.register_model_key``). With ``--ndif`` and
+    lookup does for a real model id (``dla_recipes.testing.loopback.register_model_key``). With ``--ndif`` and
     a key in the environment, nothing is started: the recipe runs on NDIF itself.
     """
     if not needs_ndif(path) or (keep_ndif_key and os.environ.get("NDIF_API_KEY")):
         yield {}
         return
     from dla_recipes import models
-    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from dla_recipes.testing.loopback import LoopbackServer
 
     folder = str(models.default_model_path())
     with tempfile.TemporaryDirectory(prefix="dla-ipython-") as ipython_dir, \
@@ -198,7 +198,7 @@ def _recipe_env(path: Path, keep_ndif_key: bool = False):
         startup = Path(ipython_dir, "profile_default", "startup")
         startup.mkdir(parents=True)
         (startup / "00-loopback-ndif.py").write_text(
-            "from dla_recipes.testing.loopback_ndif import register_model_key\n"
+            "from dla_recipes.testing.loopback import register_model_key\n"
             f"register_model_key({folder!r}, {LOOPBACK_MODEL!r})\n"
         )
         yield {"NDIF_HOST": server.url, "NDIF_API_KEY": server.api_key, "NDIF_MODEL": folder,

@@ -322,7 +322,7 @@ def test_smollm2_ablated_head():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from dla_recipes.testing import tiny
-    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from dla_recipes.testing.loopback import LoopbackServer
 
     folder = tmp_path_factory.mktemp("served") / "llama"
     tiny.build("llama").save_pretrained(folder)

@@ -126,7 +126,7 @@ def server(tmp_path_factory):
     import secrets
 
     from dla_recipes.testing import tiny
-    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from dla_recipes.testing.loopback import LoopbackServer
 
     root = tmp_path_factory.mktemp("served_layouts")
     folders = {}

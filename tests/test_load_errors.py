@@ -16,7 +16,7 @@ from dla_recipes.testing import tiny
 
 
 def _tiny(model_type: str, **over):
-    config = transformers.AutoConfig.for_model(model_type, **tiny._llama_like(**over))
+    config = transformers.AutoConfig.for_model(model_type, **tiny.llama_like(**over))
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).float().eval()
 

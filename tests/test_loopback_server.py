@@ -1,4 +1,4 @@
-"""The loopback NDIF server (dla_recipes.testing.loopback_ndif) against nnsight 0.8's real remote client.
+"""The loopback NDIF server (dla_recipes.testing.loopback) against nnsight 0.8's real remote client.
 
 One server per module (a subprocess on a free 127.0.0.1 port) serving a tiny random Llama and GPT-2. Checks: remote
 traces through nnterp's StandardizedTransformer equal local ones exactly, the byte/time stats are real, small saves
@@ -19,7 +19,7 @@ import torch
 
 import dla_recipes  # noqa: F401  (compat shim before nnterp)
 from conftest import single_threaded
-from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port, standardized_model
+from dla_recipes.testing.loopback import LoopbackServer, free_port, standardized_model
 
 VOCAB = 64  # words w0..w63, then [UNK], [PAD]
 PROMPT = "w1 w5 w9 w2 w7"
@@ -319,7 +319,7 @@ def test_results_download_only_with_the_presigned_token(server, remote_models):
     """A result too large for the websocket is downloaded from a presigned URL; the bare id is not enough."""
     import httpx
 
-    from dla_recipes.testing.loopback_ndif import result_token
+    from dla_recipes.testing.loopback import result_token
 
     assert result_token(server.api_key, "a") != result_token(server.api_key, "b")
     remote = remote_models["tiny-llama"]  # (test_model_not_hosted re-keys tiny-gpt2's folder)

@@ -1,6 +1,6 @@
 """Remote attribution through a real NDIF server process (the loopback server), against local runs.
 
-The server (``dla_recipes.testing.loopback_ndif``) runs the ``ndif`` package's own request execution code in a
+The server (``dla_recipes.testing.loopback``) runs the ``ndif`` package's own request execution code in a
 separate process that has neither dla_recipes nor nnterp installed, so the recipe must travel by value. Remote must
 equal local to 0.0 (both single-threaded; the model's own logit to the last bit of one matmul), and only the
 attribution's few numbers may come back.
@@ -15,7 +15,7 @@ import dla_recipes
 from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
-from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port
+from dla_recipes.testing.loopback import LoopbackServer, free_port
 
 SERVED = ["gpt2", "llama", "gemma2"]  # a LayerNorm + Conv1D family, an RMSNorm/GQA family, a sandwich-norm family
 # issue 12's term kinds on a model built without weights: norms on the stream (MiniMax), post-norm blocks and no final
@@ -114,7 +114,7 @@ def test_unreachable_server(server):
 
 
 def test_model_not_hosted(server, tmp_path):
-    from dla_recipes.testing.loopback_ndif import standardized_model
+    from dla_recipes.testing.loopback import standardized_model
 
     folder = tmp_path / "other"
     tiny.build("llama").save_pretrained(folder)

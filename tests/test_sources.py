@@ -233,7 +233,7 @@ def test_remote_equals_local(tmp_path):
     """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
     import secrets
 
-    from dla_recipes.testing.loopback_ndif import LoopbackServer
+    from dla_recipes.testing.loopback import LoopbackServer
     from conftest import single_threaded
 
     folders = {}

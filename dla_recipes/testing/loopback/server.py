@@ -1,0 +1,281 @@
+"""The loopback NDIF server as a subprocess of the caller: ``LoopbackServer`` starts it, waits for it, stops it.
+
+Python API::
+
+    from dla_recipes.testing.loopback import LoopbackServer
+
+    with LoopbackServer({"tiny-llama": "/path/to/folder"}, api_key="k") as server:  # subprocess; waits until ready
+        model = server.remote_model("tiny-llama")  # nnterp StandardizedTransformer(remote=True), weights not loaded
+        with server.client():                      # nnsight's CONFIG host + key -> this server, restored on exit
+            with model.trace("w1 w2 w3", remote=True):
+                logits = model.logits.save()
+        server.stats()                             # one dict per request: request_bytes, result_bytes, seconds, ...
+    # the server process is stopped by its pid on exit (also at interpreter exit, and it exits if its parent dies)
+
+The server computes single-threaded (``threads=1`` by default); a bit-exact remote == local
+comparison needs the local forward single-threaded too (``torch.set_num_threads(1)``), since float reductions
+depend on the thread count.
+"""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self
+
+from .client import nnsight_client, standardized_model
+from .protocol import (
+    API_KEY_ENV,
+    API_KEY_HEADER,
+    DEFAULT_BLOCKED_IMPORTS,
+    DEFAULT_INLINE_LIMIT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    READY_PREFIX,
+    SERVER_SCRIPT,
+)
+
+
+class LoopbackServerError(RuntimeError):
+    """The loopback server failed to start, or died."""
+
+
+class LoopbackServer:
+    """A loopback NDIF server in a subprocess (its own session), stopped by its pid.
+
+    Args:
+        models: served name -> local model folder (the allow-list; nothing else is loaded).
+        api_key: the key the server requires (``ndif-api-key`` header).
+        port: fixed port, or None for a free one (chosen by the server, read back from its ready line).
+        inline_limit: results up to this many bytes ride on the websocket, larger ones are downloaded.
+        blocked_imports: top-level packages the server refuses to import (default: ``dla_recipes``, ``nnterp``).
+        startup_timeout: seconds to wait for the models to load and the port to answer.
+        log_path: where the server's stdout/stderr go (default: a temporary file, kept for post-mortems).
+        threads: torch threads the server computes with (default 1, whatever ``OMP_NUM_THREADS`` the client has,
+            so a single-threaded local run reproduces its numbers bit for bit).
+        max_request_bytes: the largest request body accepted (413 above it).
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, str | os.PathLike],
+        api_key: str,
+        *,
+        port: int | None = None,
+        inline_limit: int = DEFAULT_INLINE_LIMIT,
+        blocked_imports: tuple[str, ...] = DEFAULT_BLOCKED_IMPORTS,
+        startup_timeout: float = 180.0,
+        log_path: str | os.PathLike | None = None,
+        threads: int = 1,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        if not models:
+            raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
+        if not api_key:
+            raise ValueError("LoopbackServer needs a non-empty api_key.")
+        self.models = {name: str(Path(folder).expanduser().resolve()) for name, folder in models.items()}
+        for name, folder in self.models.items():
+            if not Path(folder, "config.json").is_file():
+                raise ValueError(f"model {name!r}: {folder} has no config.json")
+        self.api_key = api_key
+        self.port = port
+        self.inline_limit = inline_limit
+        self.blocked_imports = tuple(blocked_imports)
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self.threads = int(threads)
+        self.max_request_bytes = int(max_request_bytes)
+        self.process: subprocess.Popen | None = None
+        self._finalizer = None
+        self._log_offset = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise LoopbackServerError("the loopback server is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def start(self) -> "LoopbackServer":
+        if self.process is not None:
+            return self
+        _check_server_dependencies()
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="loopback_ndif_", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        # Port 0: the server binds a free port itself and announces it (no window for another process to take it).
+        command = [sys.executable, "-P", str(SERVER_SCRIPT), "--port", str(self.port or 0)]
+        command += ["--inline-limit", str(self.inline_limit), "--blocked-imports", ",".join(self.blocked_imports)]
+        command += ["--parent-pid", str(os.getpid()), "--max-request-bytes", str(self.max_request_bytes)]
+        for name, folder in self.models.items():
+            command += ["--model", f"{name}={folder}"]
+        env = dict(os.environ)
+        env.update(
+            {
+                API_KEY_ENV: self.api_key,
+                "OMP_NUM_THREADS": str(self.threads),
+                "MKL_NUM_THREADS": str(self.threads),
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.pop("NDIF_API_KEY", None)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, close_fds=True,
+            )
+        # Stops the process even if the caller never calls stop() (garbage collection or interpreter exit).
+        self._finalizer = weakref.finalize(self, _stop_process, self.process)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LoopbackServerError(
+                    f"the loopback NDIF server exited with code {self.process.returncode} during startup:\n"
+                    f"{self.log_tail()}"
+                )
+            ready = re.search(rf"^{READY_PREFIX} port=(\d+)", self._read_log(), re.MULTILINE)
+            if ready:
+                self.port = int(ready.group(1))
+                try:
+                    if httpx.get(f"{self.url}/ping", timeout=2.0).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        raise LoopbackServerError(
+            f"the loopback NDIF server did not become ready in {self.startup_timeout}s:\n{self.log_tail()}"
+        )
+
+    def _read_log(self) -> str:
+        """This run's part of the log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_offset)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log."""
+        return "\n".join(self._read_log().splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server process (SIGTERM to its pid, SIGKILL after ``timeout``). Idempotent."""
+        if self.process is None:
+            return
+        _stop_process(self.process, timeout)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- queries -----------------------------------------------------------------------------------------------------
+
+    def stats(self) -> list[dict]:
+        """Per-request records (oldest first); see ``dla_recipes.testing.loopback.jobs`` for the fields."""
+        import httpx
+
+        response = httpx.get(f"{self.url}/stats", headers={API_KEY_HEADER: self.api_key}, timeout=10.0)
+        response.raise_for_status()
+        return response.json()["requests"]
+
+    def clear_stats(self) -> None:
+        import httpx
+
+        httpx.delete(f"{self.url}/stats", headers={API_KEY_HEADER: self.api_key}, timeout=10.0).raise_for_status()
+
+    def make_unavailable(self, requests: int) -> None:
+        """Answer the next ``requests`` ``POST /request`` with 503 Service Unavailable (a test fault)."""
+        import httpx
+
+        httpx.post(f"{self.url}/faults", json={"unavailable": int(requests)},
+                   headers={API_KEY_HEADER: self.api_key}, timeout=10.0).raise_for_status()
+
+    # -- client helpers ----------------------------------------------------------------------------------------------
+
+    def folder(self, name: str) -> str:
+        if name not in self.models:
+            raise KeyError(f"{name!r} is not served here; served: {sorted(self.models)}")
+        return self.models[name]
+
+    def remote_model(self, name: str, **kwargs: Any):
+        """A ``StandardizedTransformer(remote=True)`` whose model key names ``name`` on this server (no weights loaded).
+
+        Trace it with ``remote=True`` inside ``server.client()``, or with ``remote=server.url`` when nnsight's
+        configured key (``NDIF_API_KEY`` / ``CONFIG.API.APIKEY``) is this server's.
+        """
+        return standardized_model(self.folder(name), remote=True, name=name, **kwargs)
+
+    def local_model(self, name: str, **kwargs: Any):
+        """The same folder as a local ``StandardizedTransformer`` (weights load on first use), for comparisons."""
+        return standardized_model(self.folder(name), remote=False, **kwargs)
+
+    def client(self, api_key: str | None = ...) -> contextlib.AbstractContextManager:
+        """Context manager aiming nnsight's ``remote=True`` at this server (optionally with another ``api_key``)."""
+        return nnsight_client(self.url, self.api_key if api_key is ... else api_key)
+
+
+SERVER_REQUIREMENTS = {  # import name -> what to install (see the project's install step)
+    "ndif": "ndif==0.1.2 (pip install --no-deps --ignore-requires-python ndif==0.1.2)",
+    "fastapi": "fastapi==0.141.1",
+    "starlette": "starlette==1.10.0",
+    "uvicorn": "uvicorn==0.54.0",
+    "multipart": "python-multipart==0.0.34",
+    "websockets": "websockets==17.4",
+}
+
+
+def _check_server_dependencies() -> None:
+    import importlib.util
+
+    missing = [spec for name, spec in SERVER_REQUIREMENTS.items() if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LoopbackServerError(
+            "the loopback NDIF server needs packages that are not installed: " + "; ".join(missing)
+        )
+
+
+def _stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout)
+    except ProcessLookupError:
+        pass
