@@ -76,6 +76,6 @@ def family_of(model_or_config) -> Family:
         f"dla_recipes has no family entry for model_type {model_type!r} ({type(model_or_config).__name__}). "
         f"Known model types: {known}. To add one, describe what its blocks add to the residual stream as a "
         "`Family` entry in the right group file of dla_recipes/families/ (dense.py, experts.py or hybrid.py; usually "
-        "one line: see the package docstring) and add a tiny model for it in dla_recipes/testing/tiny.py; the test "
+        "one line: see the package docstring) and add a tiny model for it in dla_recipes/testing/tiny/; the test "
         "suite then checks it against the model's own logits."
     )
