@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny models per family (cached per session), prompts, and the plain-forward reference."""
+"""Shared fixtures: tiny models per family (cached per session), prompts, and the plain-forward reference.
+
+With ``DLA_RECORD=<path>`` set, every call of the public entry points (``dla_recipes.attribute``,
+``dla_recipes.attribute_direction``, ``TracedAttribution.result``) is recorded, keyed by ``(test nodeid, index of
+the call within that test)``: the returned ``Attribution``'s fields (tensors cloned to CPU) or the exception's class,
+saved with ``torch.save`` at the end of the session. ``benchmarks/compare_records.py BEFORE AFTER`` compares two
+such files: a refactoring that changes no number gives bit-identical records.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,153 @@ import contextlib
 import importlib.util
 import os
 import sys
+import threading
+import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-import dla_recipes  # noqa: E402,F401  (the nnterp shim, before nnterp)
-from dla_recipes.testing import tiny  # noqa: E402
+import dla_recipes  # the nnterp shim, before nnterp
+from dla_recipes.testing import tiny
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# -- the attribution recorder (DLA_RECORD=<path>) -------------------------------------------------------------------
+
+# What the recorder keeps of an Attribution (the fields compare_records.py compares).
+RECORDED_FIELDS = (
+    "values", "labels", "constant", "logit", "output_logit", "error", "prompts", "target_tokens", "contrast_tokens",
+    "positions", "by", "family", "read_by", "diagnostics",
+)
+HOOK_MODULE = "dla_record_hook"  # where a wrapper finds the recorder at call time (absent: it just calls through)
+
+
+def _snapshot(value):
+    """``value`` with every tensor detached and cloned to CPU (containers rebuilt, anything unusual as its repr)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(item) for item in value)
+    if value is None or isinstance(value, (bool, int, float, str, complex)):
+        return value
+    return f"<{type(value).__name__}> {value!r}"
+
+
+class _Recorder:
+    """The calls recorded so far: ``{(nodeid, index): record}``; only outermost calls (one entry point calling
+    another, such as ``attribute(by="source")`` picking its heads, is one call)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.calls: dict[tuple[str, int], dict] = {}
+        self.counts: dict[str, int] = {}
+        self.local = threading.local()
+
+    @staticmethod
+    def current_test() -> tuple[str, str]:
+        """``(nodeid, phase)`` of the running test (``PYTEST_CURRENT_TEST``), ``("<no test>", "")`` outside one."""
+        current = os.environ.get("PYTEST_CURRENT_TEST")
+        if not current:
+            return "<no test>", ""
+        nodeid, _, phase = current.rpartition(" (")
+        return (nodeid, phase.rstrip(")")) if nodeid else (current, "")
+
+    def call(self, name: str, function, args: tuple, kwargs: dict):
+        """Call ``function(*args, **kwargs)``; record what it returned or raised when it is an outermost call."""
+        depth = getattr(self.local, "depth", 0)
+        self.local.depth = depth + 1
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as error:
+            if depth == 0:
+                self.add(name, {"exception": type(error).__name__, "message": str(error)})
+            raise
+        finally:
+            self.local.depth = depth
+        if depth == 0:
+            missing = object()
+            fields = {}
+            for key in RECORDED_FIELDS:
+                value = getattr(result, key, missing)
+                if value is not missing:
+                    fields[key] = _snapshot(value)
+            self.add(name, {"fields": fields, "type": type(result).__name__})
+        return result
+
+    def add(self, name: str, record: dict) -> None:
+        nodeid, phase = self.current_test()
+        index = self.counts.get(nodeid, 0)
+        self.counts[nodeid] = index + 1
+        self.calls[(nodeid, index)] = {"entry": name, "phase": phase, **record}
+
+    def save(self) -> None:
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"version": 1, "calls": self.calls}, self.path)
+
+
+def _make_wrapper(name: str, function):
+    """A stand-in for ``function`` that records through the recorder in ``sys.modules[HOOK_MODULE]``. It refers to
+    nothing of this file at call time, so nnsight can ship it by source inside a remote request (a registered
+    package's class carries its patched methods), where it just calls ``function``."""
+
+    def recorded(*args, **kwargs):
+        import sys
+
+        hook = sys.modules.get("dla_record_hook")
+        if hook is None:
+            return function(*args, **kwargs)
+        return hook.recorder.call(name, function, args, kwargs)
+
+    # keep the name ``recorded``: nnsight finds a shipped function in its compiled source by ``__name__``
+    recorded.__doc__ = function.__doc__
+    recorded.dla_original = function  # not __wrapped__: inspect.getsource would unwrap it when nnsight ships it
+    recorded.dla_recorded = True
+    return recorded
+
+
+def _install_recorder(path: str) -> _Recorder:
+    """Patch the entry points: on ``dla_recipes``, on every loaded ``dla_recipes.*`` module that holds the same
+    function (so ``from dla_recipes import attribute`` anywhere gets the wrapper, and so do internal calls), and
+    ``TracedAttribution.result`` on its class."""
+    recorder = _Recorder(path)
+    hook = types.ModuleType(HOOK_MODULE)
+    hook.recorder = recorder
+    sys.modules[HOOK_MODULE] = hook
+    wrapped = {}
+    for name in ("attribute", "attribute_direction"):
+        original = getattr(dla_recipes, name, None)
+        if original is not None and not getattr(original, "dla_recorded", False):
+            wrapped[id(original)] = _make_wrapper(name, original)
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "dla_recipes" or module_name.startswith("dla_recipes.")):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if id(value) in wrapped and callable(value) and not isinstance(value, type):
+                setattr(module, attribute, wrapped[id(value)])
+    for home in ("api", "in_trace"):  # the pre-redesign homes, if still there (getattr: modules move)
+        module = getattr(dla_recipes, home, None)
+        for name in ("attribute", "attribute_direction"):
+            original = getattr(module, name, None) if module is not None else None
+            if original is not None and not getattr(original, "dla_recorded", False):
+                setattr(module, name, _make_wrapper(name, original))
+    traced = getattr(dla_recipes, "TracedAttribution", None)
+    result = getattr(traced, "result", None) if traced is not None else None
+    if result is not None and not getattr(result, "dla_recorded", False):
+        traced.result = _make_wrapper("TracedAttribution.result", result)
+    return recorder
+
+
+RECORDER = _install_recorder(os.environ["DLA_RECORD"]) if os.environ.get("DLA_RECORD") else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Write the recorded calls (``DLA_RECORD``)."""
+    if RECORDER is not None:
+        RECORDER.save()
 
 # Three prompts of different lengths: the batch is padded, so positions must not shift with padding.
 PROMPTS = ["w5 w6 w7 w8 w9 w10", "w11 w12", "w13 w14 w15 w16"]

@@ -1,0 +1,105 @@
+"""The package layout rules of the redesign (issue 16), read from the source with ``ast``: no import cycle between
+package modules (function-local imports included), no private name used across modules, no module over 400 lines,
+a docstring at the top of every module. The rules and how imports are counted: ``layout_rules.py``; the same report
+for a person: ``benchmarks/layout_report.py``."""
+
+from __future__ import annotations
+
+import itertools
+
+import layout_rules as rules
+import pytest
+
+
+@pytest.fixture(scope="module")
+def modules():
+    return rules.discover()
+
+
+def test_the_package_is_found(modules):
+    assert "dla_recipes" in modules and "dla_recipes.testing" in modules, sorted(modules)
+
+
+def test_no_import_cycle(modules):
+    found = rules.cycles(modules)
+    assert not found, "import cycles between package modules:\n" + "\n".join(rules.describe_cycles(found, modules))
+
+
+def test_no_private_name_across_modules(modules):
+    found = rules.private_imports(modules)
+    assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_no_module_over_the_line_limit(modules):
+    found = rules.long_modules(modules)
+    assert not found, f"modules over {rules.MAX_LINES} lines:\n" + "\n".join(found)
+
+
+def test_every_module_starts_with_a_docstring(modules):
+    found = rules.missing_docstrings(modules)
+    assert not found, "modules without a docstring:\n" + "\n".join(found)
+
+
+# -- the rules themselves, on a small made-up package -----------------------------------------------------------------
+
+FAKE = {
+    "__init__.py": '"""Re-exports."""\nfrom . import _compat\nfrom .core import run\n',
+    "_compat.py": '"""Side effect."""\n',
+    "core.py": '"""Core."""\nfrom .stage import helper\n\ndef run():\n    return helper()\n',
+    "stage/__init__.py": '"""A stage."""\nfrom .step import helper\n',
+    "stage/step.py": (
+        '"""A step."""\nfrom __future__ import annotations\nfrom typing import TYPE_CHECKING\n'
+        'from .. import errors\nfrom ..errors import _secret\n\nif TYPE_CHECKING:\n    from ..util import Thing\n\n'
+        'def helper():\n    from dla_recipes import run  # back to the package __init__: a cycle\n'
+        '    import dla_recipes.errors as e\n    return e._CODE, errors._CODE, errors.__name__\n'
+    ),
+    "errors.py": '"""Errors."""\n_secret = 1\n_CODE = 2\n',
+    "util.py": "x = 1\n" * 5,
+}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    for name, text in FAKE.items():
+        path = tmp_path / "dla_recipes" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return rules.discover(tmp_path, "dla_recipes")
+
+
+def test_edges_resolve_relative_and_absolute_imports(fake):
+    edges = {(e.source, e.target) for m in fake.values() for e in m.edges}
+    assert ("dla_recipes", "dla_recipes._compat") in edges  # from . import _compat: the submodule
+    assert ("dla_recipes", "dla_recipes.core") in edges
+    assert ("dla_recipes.core", "dla_recipes.stage") in edges  # a name of stage/__init__.py
+    assert ("dla_recipes.stage", "dla_recipes.stage.step") in edges
+    assert ("dla_recipes.stage.step", "dla_recipes.errors") in edges  # from .. import errors (level 2)
+    assert ("dla_recipes.stage.step", "dla_recipes.util") in edges  # under TYPE_CHECKING: counted
+    assert ("dla_recipes.stage.step", "dla_recipes") in edges  # function-local, absolute, a name of __init__
+    # from .. import errors takes a submodule: no edge to the package __init__ from that statement
+    lines = {e.line for e in fake["dla_recipes.stage.step"].edges if e.target == "dla_recipes"}
+    assert lines == {11}
+
+
+def test_cycles_are_found_with_a_chain(fake):
+    found = rules.cycles(fake)
+    assert [c for c, _ in found] == [["dla_recipes", "dla_recipes.core", "dla_recipes.stage", "dla_recipes.stage.step"]]
+    chain = found[0][1]
+    assert chain[0].source == chain[-1].target == "dla_recipes"
+    assert all(a.target == b.source for a, b in itertools.pairwise(chain))
+
+
+def test_private_names_are_found(fake):
+    found = "\n".join(rules.private_imports(fake))
+    assert "imports the private name _secret of dla_recipes.errors" in found
+    assert "`e._CODE` reads the private name _CODE of dla_recipes.errors" in found
+    assert "`errors._CODE` reads the private name _CODE of dla_recipes.errors" in found
+    assert "_compat" not in found and "__name__" not in found
+    assert len(rules.private_imports(fake)) == 3
+
+
+def test_lines_and_docstrings_are_checked(fake):
+    assert rules.long_modules(fake, limit=4) == ["dla_recipes/stage/step.py: 13 lines (limit 4)",
+                                                  "dla_recipes/core.py: 5 lines (limit 4)",
+                                                  "dla_recipes/util.py: 5 lines (limit 4)"]
+    assert rules.missing_docstrings(fake) == ["dla_recipes/util.py: no module docstring"]
