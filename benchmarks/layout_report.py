@@ -21,6 +21,7 @@ def main() -> int:
     private = rules.private_imports(modules)
     long = rules.long_modules(modules)
     undocumented = rules.missing_docstrings(modules)
+    against = rules.stage_violations(modules)
     edges = sum(len(m.edges) for m in modules.values())
     local = sum(1 for m in modules.values() for e in m.edges if e.where != "module level")
 
@@ -30,6 +31,7 @@ def main() -> int:
         (f"import cycles (strongly connected components of more than one module): {len(found_cycles)}",
          rules.describe_cycles(found_cycles, modules)),
         (f"private names used across modules: {len(private)}", private),
+        (f"imports against the order of the stages: {len(against)}", against),
         (f"modules over {rules.MAX_LINES} lines: {len(long)}", long),
         (f"modules without a docstring: {len(undocumented)}", undocumented),
     ]

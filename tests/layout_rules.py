@@ -279,6 +279,54 @@ def _by_file_and_line(text: str) -> tuple[str, int]:
 # -- rules 3 and 4 ----------------------------------------------------------------------------------------------------
 
 
+# The stages, in the order of the work, and what each may import (besides itself). A module's stage is the first
+# component of its name below the package (``dla_recipes.trace.kinds.linear`` -> ``trace``); ``face`` is the
+# package's own ``__init__``, ``api``, ``in_trace`` and the CLI. Imports run one way: down this table.
+GROUND = ("_compat", "errors", "components")
+STAGES: dict[str, tuple[str, ...]] = {
+    "_compat": (),
+    "errors": (),
+    "components": (),
+    "args": GROUND,
+    "families": GROUND,
+    "math": (),
+    "present": GROUND,
+    "selfcheck": GROUND,
+    "loading": GROUND + ("args", "families"),
+    "plan": GROUND + ("args", "families"),
+    "trace": GROUND + ("args", "families", "plan", "math"),
+    "transport": GROUND + ("args", "families", "plan", "trace"),
+    "result": GROUND + ("present", "selfcheck", "trace"),
+    "face": GROUND + ("args", "families", "loading", "plan", "math", "trace", "transport", "selfcheck", "present",
+                      "result", "face"),
+    "testing": GROUND + ("face",),
+}
+FACE = ("api", "in_trace", "__main__")
+
+
+def stage_of(name: str, package: str = PACKAGE) -> str:
+    """The stage of a module (``STAGES``' keys): its first name component below the package."""
+    if name == package:
+        return "face"
+    first = name.split(".")[1]
+    return "face" if first in FACE else first
+
+
+def stage_violations(modules: dict[str, Module]) -> list[str]:
+    """Every import from a stage to one it may not import (``STAGES``), and every module of no known stage."""
+    found = []
+    for module in modules.values():
+        stage = stage_of(module.name)
+        if stage not in STAGES:
+            found.append(f"{module.file}: stage {stage!r} is not in layout_rules.STAGES (add it, with what it may import)")
+            continue
+        for edge in module.edges:
+            target = stage_of(edge.target)
+            if target != stage and target not in STAGES[stage]:
+                found.append(f"{stage} -> {target}: {edge}")
+    return found
+
+
 def long_modules(modules: dict[str, Module], limit: int = MAX_LINES) -> list[str]:
     """Modules over ``limit`` lines, longest first."""
     over = sorted((m for m in modules.values() if m.lines > limit), key=lambda m: -m.lines)

@@ -30,6 +30,11 @@ def test_no_private_name_across_modules(modules):
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 
+def test_imports_run_down_the_stages(modules):
+    found = rules.stage_violations(modules)
+    assert not found, "imports against the order of the stages (layout_rules.STAGES):\n" + "\n".join(found)
+
+
 def test_no_module_over_the_line_limit(modules):
     found = rules.long_modules(modules)
     assert not found, f"modules over {rules.MAX_LINES} lines:\n" + "\n".join(found)
@@ -103,3 +108,14 @@ def test_lines_and_docstrings_are_checked(fake):
                                                   "dla_recipes/core.py: 5 lines (limit 4)",
                                                   "dla_recipes/util.py: 5 lines (limit 4)"]
     assert rules.missing_docstrings(fake) == ["dla_recipes/util.py: no module docstring"]
+
+
+def test_an_import_up_the_stages_is_found(modules):
+    """The stage rule can fail: the plan importing the face (``api``) is reported, naming both stages."""
+    from dataclasses import replace
+
+    build = modules["dla_recipes.plan.build"]
+    up = rules.Edge(build.name, "dla_recipes.api", build.file, 1, "module level", "from ..api import attribute")
+    broken = {**modules, build.name: replace(build, edges=[*build.edges, up])}
+    assert [line for line in rules.stage_violations(broken) if line.startswith("plan -> face")]
+    assert not rules.stage_violations(modules)
