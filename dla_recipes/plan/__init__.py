@@ -8,4 +8,4 @@ the components an attribution has at each granularity (``Plan.components(by)``, 
 from .build import build_plan, layer_terms, module_at
 from .plan import Component, Plan, PlannedTerm, Sources, Stop
 
-__all__ = ["build_plan", "layer_terms", "module_at", "Component", "Plan", "PlannedTerm", "Sources", "Stop"]
+__all__ = ["Component", "Plan", "PlannedTerm", "Sources", "Stop", "build_plan", "layer_terms", "module_at"]

@@ -75,7 +75,7 @@ def scalar(value, config, layer: int) -> float:
         return 1.0
     return float(value(config, layer)) if callable(value) else config_value(config, value)
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
 
 def build_plan(model, family: Family | None = None) -> Plan:
     """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights).
@@ -153,7 +153,7 @@ def plan_for(model, family: Family) -> Plan:
                 experts, in_features = int(module.weight.shape[0]), int(module.weight.shape[-1])
                 top_k = int(module_at(layer, term.router)._module.top_k)
                 if term.split == "heads":
-                    width = int(getattr(config, "kv_channels", None) or getattr(config, "head_dim"))
+                    width = int(getattr(config, "kv_channels", None) or config.head_dim)
                     parts = top_k * in_features // width
                 else:
                     expert_width = in_features

@@ -27,7 +27,7 @@ projection's real input; the largest relative gap is reported with the norm fit 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import DLAError, InputError
 from ..families import text_config

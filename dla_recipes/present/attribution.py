@@ -97,7 +97,7 @@ class Attribution:
             }
         )
 
-    def blocks(self) -> "Attribution":
+    def blocks(self) -> Attribution:
         """The same attribution at block granularity: each head / neuron / expert summed into its block label.
 
         A split term's parts come right before its block label (which holds the term's rest), so each part is
@@ -114,7 +114,7 @@ class Attribution:
         return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block",
                        components=tuple(self.components[j] for j in keep))
 
-    def heads(self) -> "Attribution":
+    def heads(self) -> Attribution:
         """A ``by="source"`` attribution at head granularity: each head's sources summed into ``L3.H5``.
 
         ``heads().values`` equals ``attribute(..., by="head").values`` (to float error)."""

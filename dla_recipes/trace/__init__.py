@@ -22,7 +22,17 @@ from .readout import Readout
 from .recipe import DirectionCall, LogitCall, decompose, direct_logit_attribution, direction_attribution
 
 __all__ = [
-    "attention_head_outputs", "attention_output", "layer_input", "layer_output", "mlp_output", "neuron_activations",
-    "term_output", "Readout", "LogitCall", "DirectionCall", "decompose", "direct_logit_attribution",
+    "DirectionCall",
+    "LogitCall",
+    "Readout",
+    "attention_head_outputs",
+    "attention_output",
+    "decompose",
+    "direct_logit_attribution",
     "direction_attribution",
+    "layer_input",
+    "layer_output",
+    "mlp_output",
+    "neuron_activations",
+    "term_output",
 ]

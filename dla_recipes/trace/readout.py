@@ -71,7 +71,7 @@ class Readout:
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor) -> "Readout":
+    def unpack(cls, packed: torch.Tensor) -> Readout:
         """The inverse of ``pack``."""
         k = len(cls.FIELDS)
         values, extra = packed[:, :-k], packed[:, -k:]
@@ -81,7 +81,7 @@ class Readout:
         return cls(values=values, **scalars)
 
     @classmethod
-    def concat(cls, readouts: list["Readout"]) -> "Readout":
+    def concat(cls, readouts: list[Readout]) -> Readout:
         """One ``Readout`` of several batches' (in order): rows concatenated in float32, the two scalar checks
         (``head_error``, ``norm_fit_error``) their maximum."""
         scalars = ("head_error", "norm_fit_error")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -25,7 +24,7 @@ from ..args import as_index, check_position, check_prompts, check_text, per_prom
 from ..errors import InputError
 from ..families import text_config
 
-Token = Union[str, int]
+Token = str | int
 
 
 @dataclass(frozen=True)

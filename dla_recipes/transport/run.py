@@ -9,8 +9,8 @@ request that fails for good, returning what completed (``Ran``): the result stag
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import nnsight
 import torch

@@ -33,7 +33,7 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = Tr
     """The attributed tokens' rows of a grouped-experts projection's input, with their experts, gates and slots."""
     term = planned.term
     router = module_at(layer, term.router)
-    sorted_experts, batch_index, gates, expert_size, _ = router.output
+    sorted_experts, batch_index, gates, _, _ = router.output
     grouped, sizes = module_at(layer, term.projection).inputs[0][:2]  # (rows grouped by expert, rows per expert)
     top_k = int(router._module.top_k)
     seq = batch_index.numel() // (rows.shape[0] * top_k)

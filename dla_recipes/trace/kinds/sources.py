@@ -55,7 +55,7 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = Tr
     values = values_of(values, term.values_layout, planned.parts, planned.part_width)
     rebuilt = grouped_sum(pattern, values.to(pattern.device)).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, pattern, float(((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale)))
+    return SourceReads(values, inputs, pattern, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale))
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
