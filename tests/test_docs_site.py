@@ -38,7 +38,7 @@ CHROMIUM_FLAGS = (
 )
 NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "families/", "remote/",
                   "attribute-direction/", "ablate-patch-steer/", "gallery/"]
-PAGES = ["", *NOTEBOOK_PAGES, "family-table/", "api/"]
+PAGES = ["", *NOTEBOOK_PAGES, "family-table/", "layout/", "api/"]
 
 needs_browser = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
