@@ -365,7 +365,7 @@ BREAKDOWN_LABELS = {
     "labels_block": "plan.labels('block') alone", "labels_head": "plan.labels('head') alone",
     "labels_neuron": "plan.labels('neuron') alone",
     "pullbacks_head": "u @ W_O for every layer, alone", "pullbacks_neuron": "u @ W_down for every layer, alone",
-    "build_plan": "build_plan() alone", "prepare": "inputs.prepare() alone",
+    "build_plan": "build_plan() alone", "prepare": "transport.batches.prepare() alone",
 }
 
 

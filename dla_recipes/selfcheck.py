@@ -174,16 +174,3 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
             f"tolerance {allowed:.3g}, by={by!r}). {cause} dla_recipes refuses to return a wrong attribution."
         )
     return error, diagnostics
-
-
-def check_exact(readout, plan, by: str, model=None, tolerance: float | None = None) -> float:
-    """``self_check`` for a model (its dtype read off ``lm_head``); returns the error ``max |sum - logit|``."""
-    dtype = model_dtype(model) if model is not None else torch.float32
-    return self_check(readout, plan, by, dtype, tolerance, labels=_labels(plan, by))[0]
-
-
-def _labels(plan, by):
-    try:
-        return plan.labels(by)
-    except Exception:  # noqa: BLE001 - labels only name a non-finite component
-        return None
