@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes import ExactnessError, Family, FamilyTableError, LayerKind
 
 LAYOUTS = ["gpt_oss", "aria_text", "llama4_text", "minimax_m3_vl_text", "cohere2_moe", "falcon_h1", "dbrx",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 from dla_recipes.testing import tiny
 
 ROOT = Path(__file__).resolve().parents[1]

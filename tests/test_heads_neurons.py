@@ -8,10 +8,10 @@ attribution to what zeroing it does to the model's own attention output.
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
 from dla_recipes import ExactnessError, Family, LayerKind, Term
 from dla_recipes.testing import tiny
 
@@ -137,9 +137,8 @@ def test_neurons_never_build_a_batch_by_neuron_by_model_tensor(family):
     forbidden = len(prompts) * config.intermediate_size * config.hidden_size
     with _LargestAllocation() as neurons:
         attr = dla_recipes.attribute(model, prompts, TARGET, by="neuron")
-    with _LargestAllocation() as logits_only:
-        with model.trace(prompts):
-            model.logits.save()
+    with _LargestAllocation() as logits_only, model.trace(prompts):
+        model.logits.save()
     assert attr.error <= 1e-4 * max(1.0, float(attr.logit.abs().max()))
     # nothing bigger than the forward's own largest activation or the answer itself ([batch, n_components] plus
     # the few scalars packed beside it), and far below the forbidden tensor

@@ -5,9 +5,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import PROMPTS, TARGET, tiny_model
 
 import dla_recipes
-from conftest import PROMPTS, TARGET, tiny_model
 from dla_recipes import InputError, UnknownFamilyError
 
 

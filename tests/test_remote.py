@@ -10,9 +10,9 @@ import secrets
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback_ndif import LoopbackServer, free_port
