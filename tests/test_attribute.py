@@ -6,9 +6,9 @@ plain transformers forward of each prompt on its own (no nnsight, no dla_recipes
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
 
 FOUNDATION = ["gpt2", "llama", "gemma", "cohere"]
 

@@ -8,9 +8,9 @@ attention norm's scale while the other rows used the MLP norm's, cannot happen h
 
 import pytest
 import torch
+from conftest import PROMPTS, tiny_model, tolerance
 
 import dla_recipes
-from conftest import PROMPTS, tiny_model, tolerance
 from dla_recipes import InputError
 from dla_recipes.plan import module_at
 

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import notebook_runner
 
 ROOT = Path(__file__).resolve().parents[1]

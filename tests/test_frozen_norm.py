@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
-from dla_recipes.math import FrozenNorm, probe_norm
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from dla_recipes.math import FrozenNorm, probe_norm
 
 D = 24
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from conftest import PROMPTS, plain_logits, tiny_model
 
 import dla_recipes
-from conftest import PROMPTS, plain_logits, tiny_model
 from dla_recipes import InputError
 
 ERROR = "InputError"
@@ -54,87 +54,90 @@ LONG = " ".join(["w3"] * 300)  # 300 tokens: past the tiny models' 256 positions
 
 CASES = [
     # --- prompts -----------------------------------------------------------------------------------------------------
-    Case("prompts_tuple", dict(prompts=tuple(PROMPTS)), Ok()),
-    Case("prompts_generator", lambda: dict(prompts=(p for p in PROMPTS)), Ok()),
-    Case("prompts_numpy_strings", dict(prompts=np.array(PROMPTS)), Ok()),
-    Case("prompt_with_surrounding_whitespace", dict(prompts=["  w5 w6 w7\n", "\tw11 w12 "]),
+    Case("prompts_tuple", {"prompts": tuple(PROMPTS)}, Ok()),
+    Case("prompts_generator", lambda: {"prompts": (p for p in PROMPTS)}, Ok()),
+    Case("prompts_numpy_strings", {"prompts": np.array(PROMPTS)}, Ok()),
+    Case("prompt_with_surrounding_whitespace", {"prompts": ["  w5 w6 w7\n", "\tw11 w12 "]},
          Ok(prompts=("w5 w6 w7", "w11 w12"))),
-    Case("prompt_of_special_tokens_only", dict(prompts="[PAD] [UNK]"), Ok(prompts=("[PAD] [UNK]",))),
-    Case("prompt_unicode_and_emoji", dict(prompts=["w5 Zürich 🗼 w6", "日本 w7"]), Ok(prompts=("w5 Zürich 🗼 w6", "日本 w7"))),
-    Case("batch_mixing_lengths", dict(prompts=["w1", " ".join(f"w{i}" for i in range(2, 40))]),
+    Case("prompt_of_special_tokens_only", {"prompts": "[PAD] [UNK]"}, Ok(prompts=("[PAD] [UNK]",))),
+    Case("prompt_unicode_and_emoji", {"prompts": ["w5 Zürich 🗼 w6", "日本 w7"]},
+         Ok(prompts=("w5 Zürich 🗼 w6", "日本 w7"))),
+    Case("batch_mixing_lengths", {"prompts": ["w1", " ".join(f"w{i}" for i in range(2, 40))]},
          Ok(prompts=("w1", " ".join(f"w{i}" for i in range(2, 40))))),
-    Case("prompts_none", dict(prompts=None), ERROR, match="prompts is None"),
-    Case("prompts_empty_list", dict(prompts=[]), ERROR, match="no prompts given"),
-    Case("prompt_empty_string", dict(prompts=["w1", ""]), ERROR, match="prompt 1 is empty"),
-    Case("prompt_whitespace_only", dict(prompts="   "), ERROR, match="no tokens"),
-    Case("prompt_bytes", dict(prompts=b"w1 w2"), ERROR, match=r"prompt 0 is bytes.*decode"),
-    Case("prompt_bytes_in_list", dict(prompts=["w1", b"w2"]), ERROR, match=r"prompt 1 is bytes"),
-    Case("prompt_none_in_list", dict(prompts=["w1", None]), ERROR, match=r"prompt 1 is a NoneType"),
-    Case("prompt_lone_surrogate", dict(prompts="w1 \ud800 w2"), ERROR, match=r"lone surrogate"),
-    Case("prompts_set", dict(prompts={"w1", "w2"}), ERROR, match=r"no fixed order"),
-    Case("prompts_int", dict(prompts=5), ERROR, match=r"prompts is a int"),
-    Case("prompt_too_long", dict(prompts=LONG), ERROR, match=r"300 tokens, more than this model's 256"),
-    Case("prompt_too_long_gpt2", dict(prompts=LONG), ERROR, family="gpt2", match=r"more than this model's 256"),
+    Case("prompts_none", {"prompts": None}, ERROR, match="prompts is None"),
+    Case("prompts_empty_list", {"prompts": []}, ERROR, match="no prompts given"),
+    Case("prompt_empty_string", {"prompts": ["w1", ""]}, ERROR, match="prompt 1 is empty"),
+    Case("prompt_whitespace_only", {"prompts": "   "}, ERROR, match="no tokens"),
+    Case("prompt_bytes", {"prompts": b"w1 w2"}, ERROR, match=r"prompt 0 is bytes.*decode"),
+    Case("prompt_bytes_in_list", {"prompts": ["w1", b"w2"]}, ERROR, match=r"prompt 1 is bytes"),
+    Case("prompt_none_in_list", {"prompts": ["w1", None]}, ERROR, match=r"prompt 1 is a NoneType"),
+    Case("prompt_lone_surrogate", {"prompts": "w1 \ud800 w2"}, ERROR, match=r"lone surrogate"),
+    Case("prompts_set", {"prompts": {"w1", "w2"}}, ERROR, match=r"no fixed order"),
+    Case("prompts_int", {"prompts": 5}, ERROR, match=r"prompts is a int"),
+    Case("prompt_too_long", {"prompts": LONG}, ERROR, match=r"300 tokens, more than this model's 256"),
+    Case("prompt_too_long_gpt2", {"prompts": LONG}, ERROR, family="gpt2", match=r"more than this model's 256"),
     # --- target and contrast -----------------------------------------------------------------------------------------
-    Case("target_numpy_int64", dict(target=np.int64(20)), Ok()),
-    Case("target_numpy_int32", dict(target=np.int32(20)), Ok()),
-    Case("target_numpy_0d_array", dict(target=np.array(20)), Ok()),
-    Case("target_numpy_array_per_prompt", dict(target=np.array([20, 30, 40])), Ok(targets=(20, 30, 40))),
-    Case("target_torch_0d", dict(target=torch.tensor(20)), Ok()),
-    Case("target_torch_one_element", dict(target=torch.tensor([20])), Ok()),
-    Case("target_torch_per_prompt", dict(target=torch.tensor([20, 30, 40])), Ok(targets=(20, 30, 40))),
-    Case("target_list_of_one_id", dict(target=[20]), Ok()),
-    Case("target_list_of_one_string", dict(target=["w20"]), Ok()),
-    Case("contrast_equal_to_target", dict(target="w20", contrast=20), Ok(contrasts=(20,))),
-    Case("contrast_numpy_per_prompt", dict(contrast=np.array([21, 22, 23])), Ok(contrasts=(21, 22, 23))),
-    Case("target_float_tensor", dict(target=torch.tensor(20.9)), ERROR, match=r"target is a torch.float32.*never truncated"),
-    Case("target_float", dict(target=20.0), ERROR, match=r"target is a float"),
-    Case("target_numpy_float", dict(target=np.float64(20)), ERROR, match=r"target is a float64"),
-    Case("target_bool", dict(target=True), ERROR, match=r"target is a bool"),
-    Case("target_bytes", dict(target=b"w20"), ERROR, match=r"target is bytes"),
-    Case("target_lone_surrogate", dict(target="\udc80"), ERROR, match=r"lone surrogate"),
-    Case("target_none", dict(target=None), ERROR, match=r"target must be a token string or a token id"),
-    Case("target_negative_id", dict(target=-1), ERROR, match=r"not in the vocabulary"),
-    Case("target_empty_string", dict(target=""), ERROR, match=r"empty string"),
-    Case("target_two_for_three_prompts", dict(target=[20, 30]), ERROR, match=r"2 target tokens for 3 prompts"),
-    Case("target_tensor_two_for_three", dict(target=torch.tensor([20, 30])), ERROR, match=r"2 target tokens"),
-    Case("contrast_two_tokens", dict(contrast="w1 w2"), ERROR, match=r"contrast 'w1 w2' is 2 tokens"),
+    Case("target_numpy_int64", {"target": np.int64(20)}, Ok()),
+    Case("target_numpy_int32", {"target": np.int32(20)}, Ok()),
+    Case("target_numpy_0d_array", {"target": np.array(20)}, Ok()),
+    Case("target_numpy_array_per_prompt", {"target": np.array([20, 30, 40])}, Ok(targets=(20, 30, 40))),
+    Case("target_torch_0d", {"target": torch.tensor(20)}, Ok()),
+    Case("target_torch_one_element", {"target": torch.tensor([20])}, Ok()),
+    Case("target_torch_per_prompt", {"target": torch.tensor([20, 30, 40])}, Ok(targets=(20, 30, 40))),
+    Case("target_list_of_one_id", {"target": [20]}, Ok()),
+    Case("target_list_of_one_string", {"target": ["w20"]}, Ok()),
+    Case("contrast_equal_to_target", {"target": "w20", "contrast": 20}, Ok(contrasts=(20,))),
+    Case("contrast_numpy_per_prompt", {"contrast": np.array([21, 22, 23])}, Ok(contrasts=(21, 22, 23))),
+    Case("target_float_tensor", {"target": torch.tensor(20.9)}, ERROR,
+         match=r"target is a torch.float32.*never truncated"),
+    Case("target_float", {"target": 20.0}, ERROR, match=r"target is a float"),
+    Case("target_numpy_float", {"target": np.float64(20)}, ERROR, match=r"target is a float64"),
+    Case("target_bool", {"target": True}, ERROR, match=r"target is a bool"),
+    Case("target_bytes", {"target": b"w20"}, ERROR, match=r"target is bytes"),
+    Case("target_lone_surrogate", {"target": "\udc80"}, ERROR, match=r"lone surrogate"),
+    Case("target_none", {"target": None}, ERROR, match=r"target must be a token string or a token id"),
+    Case("target_negative_id", {"target": -1}, ERROR, match=r"not in the vocabulary"),
+    Case("target_empty_string", {"target": ""}, ERROR, match=r"empty string"),
+    Case("target_two_for_three_prompts", {"target": [20, 30]}, ERROR, match=r"2 target tokens for 3 prompts"),
+    Case("target_tensor_two_for_three", {"target": torch.tensor([20, 30])}, ERROR, match=r"2 target tokens"),
+    Case("contrast_two_tokens", {"contrast": "w1 w2"}, ERROR, match=r"contrast 'w1 w2' is 2 tokens"),
     # --- position ----------------------------------------------------------------------------------------------------
-    Case("position_numpy_int", dict(position=np.int64(-2)), Ok(position=-2)),
-    Case("position_torch_0d", dict(position=torch.tensor(1)), Ok(position=1)),
-    Case("position_first_token_from_the_end", dict(prompts="w11 w12", position=-2), Ok(prompts=("w11 w12",), position=-2)),
-    Case("position_beyond_the_start", dict(position=-100), ERROR, match=r"position -100 is outside prompt 0"),
-    Case("position_float", dict(position=1.5), ERROR, match=r"position is a float"),
-    Case("position_none", dict(position=None), ERROR, match=r"position must be one int"),
-    Case("position_list", dict(position=[0, 1, 2]), ERROR, match=r"position must be one int"),
+    Case("position_numpy_int", {"position": np.int64(-2)}, Ok(position=-2)),
+    Case("position_torch_0d", {"position": torch.tensor(1)}, Ok(position=1)),
+    Case("position_first_token_from_the_end", {"prompts": "w11 w12", "position": -2},
+         Ok(prompts=("w11 w12",), position=-2)),
+    Case("position_beyond_the_start", {"position": -100}, ERROR, match=r"position -100 is outside prompt 0"),
+    Case("position_float", {"position": 1.5}, ERROR, match=r"position is a float"),
+    Case("position_none", {"position": None}, ERROR, match=r"position must be one int"),
+    Case("position_list", {"position": [0, 1, 2]}, ERROR, match=r"position must be one int"),
     # --- granularity -------------------------------------------------------------------------------------------------
-    Case("by_head", dict(by="head"), Ok()),
-    Case("by_neuron", dict(by="neuron"), Ok()),
-    Case("by_expert_on_moe", dict(by="expert"), Ok(), family="mixtral"),
-    Case("by_heads_plural", dict(by="heads"), ERROR, match=r"did you mean 'head'"),
-    Case("by_capitalised", dict(by="Block"), ERROR, match=r"did you mean 'block'"),
-    Case("by_none", dict(by=None), ERROR, match=r"by=None is not a granularity"),
-    Case("by_expert_on_dense", dict(by="expert"), ERROR, match=r"no routed experts"),
+    Case("by_head", {"by": "head"}, Ok()),
+    Case("by_neuron", {"by": "neuron"}, Ok()),
+    Case("by_expert_on_moe", {"by": "expert"}, Ok(), family="mixtral"),
+    Case("by_heads_plural", {"by": "heads"}, ERROR, match=r"did you mean 'head'"),
+    Case("by_capitalised", {"by": "Block"}, ERROR, match=r"did you mean 'block'"),
+    Case("by_none", {"by": None}, ERROR, match=r"by=None is not a granularity"),
+    Case("by_expert_on_dense", {"by": "expert"}, ERROR, match=r"no routed experts"),
     # --- batch_size and tolerance ------------------------------------------------------------------------------------
-    Case("batch_size_one", dict(batch_size=1), Ok()),
-    Case("batch_size_numpy", dict(batch_size=np.int64(2)), Ok()),
-    Case("batch_size_zero", dict(batch_size=0), ERROR, match=r"batch_size=0: give a positive int"),
-    Case("batch_size_negative", dict(batch_size=-3), ERROR, match=r"batch_size=-3"),
-    Case("batch_size_float", dict(batch_size=2.5), ERROR, match=r"batch_size=2.5"),
-    Case("batch_size_string", dict(batch_size="2"), ERROR, match=r"batch_size='2'"),
-    Case("tolerance_loose", dict(tolerance=1e-2), Ok()),
-    Case("tolerance_negative", dict(tolerance=-1), ERROR, match=r"tolerance=-1: give a positive"),
-    Case("tolerance_nan", dict(tolerance=float("nan")), ERROR, match=r"tolerance=nan"),
-    Case("tolerance_string", dict(tolerance="1e-4"), ERROR, match=r"tolerance='1e-4'"),
-    Case("remote_without_scheme", dict(remote="127.0.0.1:8000"), ERROR, match=r"remote='127.0.0.1:8000': give True"),
-    Case("remote_yes_string", dict(remote="yes"), ERROR, match=r"server URL starting with http://"),
+    Case("batch_size_one", {"batch_size": 1}, Ok()),
+    Case("batch_size_numpy", {"batch_size": np.int64(2)}, Ok()),
+    Case("batch_size_zero", {"batch_size": 0}, ERROR, match=r"batch_size=0: give a positive int"),
+    Case("batch_size_negative", {"batch_size": -3}, ERROR, match=r"batch_size=-3"),
+    Case("batch_size_float", {"batch_size": 2.5}, ERROR, match=r"batch_size=2.5"),
+    Case("batch_size_string", {"batch_size": "2"}, ERROR, match=r"batch_size='2'"),
+    Case("tolerance_loose", {"tolerance": 1e-2}, Ok()),
+    Case("tolerance_negative", {"tolerance": -1}, ERROR, match=r"tolerance=-1: give a positive"),
+    Case("tolerance_nan", {"tolerance": float("nan")}, ERROR, match=r"tolerance=nan"),
+    Case("tolerance_string", {"tolerance": "1e-4"}, ERROR, match=r"tolerance='1e-4'"),
+    Case("remote_without_scheme", {"remote": "127.0.0.1:8000"}, ERROR, match=r"remote='127.0.0.1:8000': give True"),
+    Case("remote_yes_string", {"remote": "yes"}, ERROR, match=r"server URL starting with http://"),
     # --- model -------------------------------------------------------------------------------------------------------
-    Case("model_missing_folder", dict(model="/no/such/model"), ERROR, match=r"dla_recipes.load\('/no/such/model'\)"),
-    Case("model_hub_id", dict(model="someorg/some-model"), ERROR, match=r"attribute\(\) loads only local folders"),
-    Case("model_none", dict(model=None), ERROR, match=r"model is a NoneType.*dla_recipes.load"),
-    Case("model_plain_transformers_without_tokenizer", lambda: dict(model=_plain_hf()), ERROR,
+    Case("model_missing_folder", {"model": "/no/such/model"}, ERROR, match=r"dla_recipes.load\('/no/such/model'\)"),
+    Case("model_hub_id", {"model": "someorg/some-model"}, ERROR, match=r"attribute\(\) loads only local folders"),
+    Case("model_none", {"model": None}, ERROR, match=r"model is a NoneType.*dla_recipes.load"),
+    Case("model_plain_transformers_without_tokenizer", lambda: {"model": _plain_hf()}, ERROR,
          match=r"dla_recipes.load\(hf_model, tokenizer=...\)"),
-    Case("model_tokenizer_by_mistake", lambda: dict(model=tiny_model("llama").tokenizer), ERROR,
+    Case("model_tokenizer_by_mistake", lambda: {"model": tiny_model("llama").tokenizer}, ERROR,
          match=r"model is a \w+: pass a model loaded with dla_recipes.load"),
 ]
 
@@ -253,7 +256,8 @@ def _draw(rng: random.Random, family: str):
                 by = rng.choice(BAD_BY + ([] if family == "mixtral" else ["expert"]))  # no experts on a dense model
             else:
                 batch_size = rng.choice(BAD_BATCH)
-    kwargs = dict(prompts=prompts, target=target, contrast=contrast, position=position, by=by, batch_size=batch_size)
+    kwargs = {"prompts": prompts, "target": target, "contrast": contrast, "position": position, "by": by,
+              "batch_size": batch_size}
     if not bad:
         tokenizer = tiny_model(family).tokenizer
         lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
@@ -285,7 +289,7 @@ def test_seeded_random_fuzz(family):
             assert expect == ERROR, f"{where}: InputError on valid input"
             outcomes[ERROR] += 1
             continue
-        except Exception as error:  # noqa: BLE001 - any other type is the bug this test hunts
+        except Exception as error:  # any other type is the bug this test hunts
             raise AssertionError(f"{where}: {type(error).__name__}: {error}") from error
         assert expect != ERROR, f"{where}: accepted invalid input"
         check_answer(attr, model, expect)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import single_threaded
 
 import dla_recipes  # noqa: F401  (compat shim before nnterp)
-from conftest import single_threaded
 from dla_recipes.testing.loopback import LoopbackServer, free_port, standardized_model
 
 VOCAB = 64  # words w0..w63, then [UNK], [PAD]
@@ -121,10 +121,9 @@ def test_refuses_a_folder_without_a_model(tmp_path):
 def test_remote_equals_local(server, remote_models, local_models, name):
     remote, local = remote_models[name], local_models[name]
     assert remote.to_model_key().endswith(f'{{"repo_id": "{name}", "revision": null, "task": "text-generation"}}')
-    with server.client():
-        with remote.trace(PROMPT, remote=True):
-            layer = remote.layers_output[1].save()
-            logits = remote.logits.save()
+    with server.client(), remote.trace(PROMPT, remote=True):
+        layer = remote.layers_output[1].save()
+        logits = remote.logits.save()
     with single_threaded(), local.trace(PROMPT):
         local_layer = local.layers_output[1].save()
         local_logits = local.logits.save()
@@ -161,9 +160,8 @@ def test_non_blocking_request(server, remote_models, local_models):
 
 def test_recorded_bytes_are_what_the_client_sent_and_received(server, remote_models):
     remote = remote_models["tiny-gpt2"]
-    with server.client(), _stdout() as out:
-        with remote.trace(PROMPT, remote=True, verbose=True):
-            logits = remote.logits.save()  # noqa: F841
+    with server.client(), _stdout() as out, remote.trace(PROMPT, remote=True, verbose=True):
+        logits = remote.logits.save()  # noqa: F841
     printed = out.getvalue()
     sent = int(re.search(r"\[remote\] payload: ([\d,]+) bytes", printed).group(1).replace(",", ""))
     received = int(re.search(r"\[remote\] result: ([\d,]+) bytes", printed).group(1).replace(",", ""))
@@ -234,9 +232,12 @@ def test_exception_in_trace_body(server, remote_models):
     from nnsight.intervention.backends.remote import RemoteError
 
     remote = remote_models["tiny-llama"]
-    with server.client(), pytest.raises(RemoteError, match=r"IndexError: index 99 is out of bounds"):
-        with remote.trace(PROMPT, remote=True):
-            bad = remote.layers_output[0][0, 99].save()  # noqa: F841  (5 tokens)
+    with (
+        server.client(),
+        pytest.raises(RemoteError, match=r"IndexError: index 99 is out of bounds"),
+        remote.trace(PROMPT, remote=True),
+    ):
+        bad = remote.layers_output[0][0, 99].save()  # noqa: F841  (5 tokens)
     record = _last_record(server, status="ERROR", model="tiny-llama")
     assert record["error"].startswith("IndexError")
     # The server survives a failed request.
@@ -259,10 +260,13 @@ def test_unshipped_project_code_fails_as_on_ndif(server, remote_models):
     _PICKLE_BY_VALUE_MODULES.difference_update(registered)
     try:
         remote = remote_models["tiny-llama"]
-        with server.client(), pytest.raises(RemoteError, match=r"No module named 'dla_recipes.*nnsight\.register"):
-            with remote.trace(PROMPT, remote=True):
-                flag = _compat._needs_globals_alias()  # noqa: F841
-                logits = remote.logits.save()  # noqa: F841
+        with (
+            server.client(),
+            pytest.raises(RemoteError, match=r"No module named 'dla_recipes.*nnsight\.register"),
+            remote.trace(PROMPT, remote=True),
+        ):
+            flag = _compat._needs_globals_alias()  # noqa: F841
+            logits = remote.logits.save()  # noqa: F841
     finally:
         _PICKLE_BY_VALUE_MODULES.update(registered)
 
@@ -323,9 +327,8 @@ def test_results_download_only_with_the_presigned_token(server, remote_models):
 
     assert result_token(server.api_key, "a") != result_token(server.api_key, "b")
     remote = remote_models["tiny-llama"]  # (test_model_not_hosted re-keys tiny-gpt2's folder)
-    with server.client():
-        with remote.trace(LONG_PROMPT, remote=True):
-            logits = remote.logits.save()  # 96 x 66 floats: over the inline limit, so downloaded
+    with server.client(), remote.trace(LONG_PROMPT, remote=True):
+        logits = remote.logits.save()  # 96 x 66 floats: over the inline limit, so downloaded
     assert logits.shape[-1] == VOCAB + 2
     record = _last_record(server, status="COMPLETED", transport="download")
     guessed = httpx.get(f"{server.url}/result/{record['id']}?token={'0' * 64}", timeout=10.0)

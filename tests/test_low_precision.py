@@ -7,9 +7,9 @@ product, and check a whole bfloat16 attribution against the model's own logit at
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET
 from dla_recipes.math import linalg
 from dla_recipes.testing import tiny
 

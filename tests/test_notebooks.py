@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import notebook_runner
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ tensor, so it is checked through attribute() in test_heads_neurons.py).
 
 import pytest
 import torch
+from conftest import PROMPTS, tiny_model
 
 import dla_recipes
-from conftest import PROMPTS, tiny_model
 from dla_recipes.testing import tiny
 
 
@@ -56,6 +56,5 @@ def test_neuron_activations_are_the_down_projections_input():
 
 def test_mixture_of_attention_has_no_head_tensor():
     model = tiny_model("jetmoe")
-    with pytest.raises(ValueError, match="mixture of attention"):
-        with model.trace(PROMPTS):
-            dla_recipes.trace.attention_head_outputs(model, 0)
+    with pytest.raises(ValueError, match="mixture of attention"), model.trace(PROMPTS):
+        dla_recipes.trace.attention_head_outputs(model, 0)

@@ -7,9 +7,9 @@ what a plain transformers forward of the same prompt gives.
 
 import pytest
 import torch
+from conftest import tolerance
 
 import dla_recipes
-from conftest import tolerance
 from dla_recipes import models
 
 EIFFEL = "The Eiffel Tower is in the city of"

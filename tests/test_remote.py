@@ -10,9 +10,9 @@ import secrets
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback import LoopbackServer, free_port
@@ -126,8 +126,8 @@ def test_model_not_hosted(server, tmp_path):
 
 def test_server_side_exception(server):
     """An exception inside the remote trace comes back as a RemoteError naming it (here an out-of-range position)."""
-    from dla_recipes.transport.run import run_trace
     from dla_recipes.transport.batches import prepare
+    from dla_recipes.transport.run import run_trace
 
     model = server.remote_model("llama")
     batch = prepare(model, PROMPTS[0], TARGET)

@@ -11,9 +11,9 @@ held: ``(y - b) / c(x)`` elementwise, ``c`` the centering of a LayerNorm), the b
 
 import pytest
 import torch
+from conftest import CONTRAST, PROMPTS, TARGET, tolerance
 
 import dla_recipes
-from conftest import CONTRAST, PROMPTS, TARGET, tolerance
 from dla_recipes import DLAError, InputError
 from dla_recipes.plan import build_plan, module_at
 from dla_recipes.testing import tiny
@@ -171,7 +171,7 @@ def test_kv_shared_layers_refused_but_others_split():
     model = eager_model("gemma4")
     with pytest.raises(DLAError, match="reuses another block's keys and values"):
         dla_recipes.attribute(model, PROMPTS, TARGET, by="source")
-    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(layers=[0, 1]))
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources={"layers": [0, 1]})
     heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
     assert any(label.startswith("L1.H0.S") for label in attr.labels) and "L2.H0" in attr.labels
     assert torch.allclose(attr.heads().values, heads.values, atol=1e-6)
@@ -186,12 +186,12 @@ def test_sdpa_refused_with_the_fix():
 def test_layers_and_top_heads():
     model = eager_model("llama")
     heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
-    only = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(layers=[-1]))
+    only = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources={"layers": [-1]})
     last = len(build_plan(model).layers) - 1
     split = {label.rsplit(".S", 1)[0] for label in only.labels if ".S" in label}
     assert split == {f"L{last}.H{h}" for h in range(build_plan(model).num_heads)}
     assert torch.allclose(only.heads().values, heads.values, atol=1e-6)
-    top = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=dict(top_heads=2))
+    top = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources={"top_heads": 2})
     split = {label.rsplit(".S", 1)[0] for label in top.labels if ".S" in label}
     ranked = heads.values.abs().max(0).values
     order = [heads.labels[j] for j in torch.argsort(ranked, descending=True).tolist() if ".H" in heads.labels[j]]
@@ -203,13 +203,13 @@ def test_layers_and_top_heads():
 def test_bad_options():
     model = eager_model("llama")
     with pytest.raises(InputError, match="unknown keys"):
-        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(heads=3))
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources={"heads": 3})
     with pytest.raises(InputError, match="top_heads"):
-        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(top_heads=0))
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources={"top_heads": 0})
     with pytest.raises(InputError, match="outside"):
-        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources=dict(layers=[99]))
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources={"layers": [99]})
     with pytest.raises(InputError, match="by='source'"):
-        dla_recipes.attribute(model, PROMPTS, TARGET, by="head", sources=dict(top_heads=2))
+        dla_recipes.attribute(model, PROMPTS, TARGET, by="head", sources={"top_heads": 2})
 
 
 def test_padded_batch_equals_each_prompt_alone():
@@ -233,8 +233,9 @@ def test_remote_equals_local(tmp_path):
     """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
     import secrets
 
-    from dla_recipes.testing.loopback import LoopbackServer
     from conftest import single_threaded
+
+    from dla_recipes.testing.loopback import LoopbackServer
 
     folders = {}
     for family in ("llama", "gemma2"):
@@ -256,7 +257,7 @@ def test_remote_equals_local(tmp_path):
                 local = dla_recipes.attribute(local_model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
             assert remote.labels == local.labels and any(".S" in label for label in remote.labels)
             assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
-        options = dict(layers=[1], top_heads=2)  # the chosen heads travel with the request
+        options = {"layers": [1], "top_heads": 2}  # the chosen heads travel with the request
         with server.client():
             remote = dla_recipes.attribute(server.remote_model("llama", attn_implementation="eager"), PROMPTS, TARGET,
                                            contrast=CONTRAST, by="source", remote=True, sources=options)

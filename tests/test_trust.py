@@ -11,9 +11,9 @@ import torch
 from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
 
 import dla_recipes
-from dla_recipes.transport import batches as batching
 from dla_recipes import selfcheck as check
 from dla_recipes.testing import tiny
+from dla_recipes.transport import batches as batching
 
 
 def _tiny(family: str, dtype=torch.float32):

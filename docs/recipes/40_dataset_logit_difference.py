@@ -26,8 +26,8 @@ print(f"logit differences: {[round(x, 2) for x in attr.logit.tolist()]}, largest
 largest = stats.reindex(stats["mean"].abs().sort_values(ascending=False).index).head(8)
 display(largest.style.format({"mean": "{:+.3f}", "std": "{:.3f}", "share > 0": "{:.0%}"}))
 
-fig = go.Figure(go.Bar(x=stats.index, y=stats["mean"], error_y=dict(type="data", array=stats["std"])))
+fig = go.Figure(go.Bar(x=stats.index, y=stats["mean"], error_y={"type": "data", "array": stats["std"]}))
 fig.update_layout(title=f"Mean ± std over {len(attr)} prompts: logit(right city) - logit(wrong city)",
-                  xaxis=dict(tickangle=-60, tickfont=dict(size=9)), yaxis_title="contribution",
+                  xaxis={"tickangle": -60, "tickfont": {"size": 9}}, yaxis_title="contribution",
                   template="plotly_white", height=420)
 plots.show(fig)

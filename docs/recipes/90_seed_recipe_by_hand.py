@@ -40,4 +40,4 @@ with torch.no_grad():
         per_head.update({f"L{i}.H{k}": float(frozen(write) @ row) for k, write in enumerate(writes)})
 per_head = pd.Series(per_head)
 print("largest heads:", per_head[per_head.abs().sort_values(ascending=False).index[:5]].round(4).to_dict())
-plots.show(go.Figure(go.Bar(x=dla.index, y=dla.values), layout=dict(title="DLA per block, by hand", height=350)))
+plots.show(go.Figure(go.Bar(x=dla.index, y=dla.values), layout={"title": "DLA per block, by hand", "height": 350}))
