@@ -1,5 +1,10 @@
 """The schema of the family table: ``Term``, ``LayerKind``, ``Family`` and ``ExpertsLayout``, as frozen dataclasses.
 
+A ``Term`` holds small typed records rather than flat optional fields, so an impossible combination cannot be
+written: ``write`` (a ``Write``: how the added tensor is read and scaled), ``stream`` (a ``Stream``: what acts on the
+stream itself) and ``split`` (None, or one of ``Heads``, ``Neurons``, ``Experts``, ``Routed``, each with the fields
+only that split uses). Fields holding a path below the block envoy carry ``PATH`` metadata (``Term.paths``).
+
 What the fields answer (the three questions the attribution math asks of a family) is the package docstring of
 ``dla_recipes.families``; the entries themselves are in ``dense.py``, ``experts.py`` and ``hybrid.py``.
 """
