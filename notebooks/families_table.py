@@ -107,25 +107,32 @@ CHECKPOINTS: dict[str, tuple[str, ...]] = {
 GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "neuron, expert"}
 
 
+def _splits(term) -> str | None:
+    """What the term splits into, in words: ``"heads"``, ``"neurons"``, ``"experts"`` (None: never split)."""
+    return next((word for word, splits in (("heads", term.splits_heads), ("neurons", term.splits_neurons),
+                                           ("experts", term.splits_experts)) if splits), None)
+
+
 def _write(term) -> str:
     """One term in words: its label and where it is read (and what shapes it)."""
     where = term.output.rsplit(".", 1)[0]
     parts = [f"`{term.name}` = `{where}`"]
     if term.split:
-        parts.append(f"split into {term.split} at `{term.projection}`")
-    if term.shared:
-        parts.append(f"+ shared `{term.shared.rsplit('.', 1)[0]}`")
-    if term.multiplier:
-        parts.append(f"× `{term.multiplier}`")
-    if term.outer_norm:
-        parts.append(f"under `{term.outer_norm}`")
+        parts.append(f"split into {_splits(term)} at `{term.split.projection}`")
+    shared = getattr(term.split, "shared", None)  # Experts only
+    if shared:
+        parts.append(f"+ shared `{shared.rsplit('.', 1)[0]}`")
+    if term.write.multiplier:
+        parts.append(f"× `{term.write.multiplier}`")
+    if term.write.outer_norm:
+        parts.append(f"under `{term.write.outer_norm}`")
     if term.parallel:
         parts.append("parallel")
     return " ".join(parts)
 
 
 def _granularities(family) -> str:
-    splits = {t.split for kind in family.kinds for t in kind.terms if t.split}
+    splits = {_splits(t) for kind in family.kinds for t in kind.terms if t.split}
     found = ["block"] + sorted({g for s in splits for g in GRANULARITY[s].split(", ")},
                                key=["head", "neuron", "expert"].index)
     return ", ".join(found)

@@ -14,7 +14,7 @@ from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolera
 
 import dla_recipes
 from dla_recipes import ExactnessError, FamilyTableError
-from dla_recipes.families import Family, LayerKind
+from dla_recipes.families import Experts, Family, LayerKind
 
 LAYOUTS = ["gpt_oss", "aria_text", "llama4_text", "minimax_m3_vl_text", "cohere2_moe", "falcon_h1", "dbrx",
            "gemma4_moe_ple"]
@@ -29,7 +29,7 @@ def _softcap(z, cap):
 def test_padded_batch_is_exact_against_each_prompt_alone(family, by):
     model = tiny_model(family)
     plan = dla_recipes.plan.build_plan(model)
-    if by == "expert" and not any(p.term.split == "experts" for terms in plan.layers for p in terms):
+    if by == "expert" and not any(p.term.splits_experts for terms in plan.layers for p in terms):
         with pytest.raises(dla_recipes.InputError, match="no routed experts"):  # a dense family (Falcon-H1)
             dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
         return
@@ -57,8 +57,9 @@ def test_every_expert_that_fired_is_a_part(family):
 
 def _without(family_name: str, **layout_changes) -> Family:
     real = dla_recipes.families.family_of(tiny_model(family_name))
-    kinds = tuple(LayerKind(tuple(replace(t, layout=replace(t.layout, **layout_changes)) if t.split == "experts"
-                                  else t for t in kind.terms), kind.when) for kind in real.kinds)
+    kinds = tuple(LayerKind(tuple(replace(t, split=replace(t.split, layout=replace(t.split.layout, **layout_changes)))
+                                  if isinstance(t.split, Experts) else t for t in kind.terms), kind.when)
+                  for kind in real.kinds)
     return replace(real, kinds=kinds)
 
 

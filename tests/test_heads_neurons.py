@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dla_recipes
 from dla_recipes import ExactnessError
-from dla_recipes.families import Family, LayerKind, Term
+from dla_recipes.families import Family, Heads, LayerKind, Term
 from dla_recipes.testing import tiny
 
 GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "expert"}
@@ -22,7 +22,9 @@ GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "expert"}
 def _splits(family: str) -> list[str]:
     """The granularities at which this family's tiny model has something to split."""
     plan = dla_recipes.plan.build_plan(tiny_model(family))
-    splits = {planned.term.split for terms in plan.layers for planned in terms if planned.term.split}
+    splits = {word for terms in plan.layers for planned in terms for word, splits in (
+        ("heads", planned.term.splits_heads), ("neurons", planned.term.splits_neurons),
+        ("experts", planned.term.splits_experts)) if splits}
     return sorted({GRANULARITY[s] for s in splits} | ({"neuron"} if "experts" in splits else set()))
 
 
@@ -56,9 +58,9 @@ def test_post_norm_heads_sum_to_what_the_block_adds_not_the_pre_norm_output():
     real = dla_recipes.families.family_of(model)
     attention, mlp = real.terms
     forgets_norm = Family("gemma2", real.model_types, (LayerKind((
-        Term("attn", attention.output, "heads", attention.projection), mlp)),), softcap=real.softcap)
+        Term("attn", attention.output, Heads(attention.split.projection)), mlp)),), softcap=real.softcap)
     reads_pre_norm = Family("gemma2", real.model_types, (LayerKind((
-        Term("attn", "self_attn.output", "heads", attention.projection), mlp)),), softcap=real.softcap)
+        Term("attn", "self_attn.output", Heads(attention.split.projection)), mlp)),), softcap=real.softcap)
     for double, by in [(forgets_norm, "head"), (reads_pre_norm, "block")]:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(dla_recipes.families.table, "FAMILIES", (double,))
@@ -71,7 +73,7 @@ def test_mis_described_stream_gate_is_caught():
     model = tiny_model("doge")
     real = dla_recipes.families.family_of(model)
     ungated = Family("doge", real.model_types, (LayerKind(tuple(
-        Term(t.name, t.output, t.split, t.projection) for t in real.terms)),))
+        Term(t.name, t.output, type(t.split)(t.split.projection) if t.split else None) for t in real.terms)),))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dla_recipes.families.table, "FAMILIES", (ungated,))
         with pytest.raises(ExactnessError, match="family 'doge'"):

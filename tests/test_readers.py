@@ -11,6 +11,7 @@ import torch
 from conftest import PROMPTS, tiny_model
 
 import dla_recipes
+from dla_recipes.families import Routed, Stream
 from dla_recipes.testing import tiny
 
 
@@ -18,9 +19,7 @@ def _plain_sum_family(family: str) -> bool:
     entry = dla_recipes.families.family_of(tiny.config(family))
     terms = [t for kind in entry.kinds for t in kind.terms]
     return (entry.layer_scale is None and entry.collapse is None and {t.name for t in terms} == {"attn", "mlp"}
-            and not any(t.stream_scale or t.stream_bias or t.hyper or t.router or t.stream_norm or t.stream_multiplier
-                        or t.stream_norm_after
-                        for t in terms))
+            and not any(t.stream != Stream() or t.hyper or isinstance(t.split, Routed) for t in terms))
 
 
 PLAIN = [f for f in tiny.FAMILIES if _plain_sum_family(f)]

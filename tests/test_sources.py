@@ -69,13 +69,13 @@ def reference_parts(model, family: str, prompt: str) -> torch.Tensor:
     hf, plan = model._module, build_plan(model)
     i = len(plan.layers) - 1
     layer_envoy = model.layers[i]
-    term = next(p.term for p in plan.layers[i] if p.term.split == "heads")
-    attention = module_at(layer_envoy, term.projection.rsplit(".", 1)[0])._module
-    values = module_at(layer_envoy, term.values.rsplit(".", 1)[0])._module
-    o_proj = module_at(layer_envoy, term.projection)._module
+    term = next(p.term for p in plan.layers[i] if p.term.splits_heads)
+    attention = module_at(layer_envoy, term.split.projection.rsplit(".", 1)[0])._module
+    values = module_at(layer_envoy, term.split.values.rsplit(".", 1)[0])._module
+    o_proj = module_at(layer_envoy, term.split.projection)._module
     norms = {"final": model.ln_final._module}
-    if term.post_norm:
-        norms["post"] = module_at(layer_envoy, term.post_norm)._module
+    if term.write.post_norm:
+        norms["post"] = module_at(layer_envoy, term.write.post_norm)._module
     seen: dict = {}
     hooks = [attention.register_forward_hook(lambda m, a, out: seen.__setitem__("A", out[1])),
              values.register_forward_hook(lambda m, a, out: seen.__setitem__("v", out))]

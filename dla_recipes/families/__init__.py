@@ -4,13 +4,14 @@ The attribution math (``dla_recipes.trace``) never asks which family it runs on.
 each family answers with one ``Family`` entry:
 
 1. **What does each block add to its residual stream?** A tuple of ``Term``: where the added tensor is read
-   (``output``), which linear map's input splits it into heads or neurons (``projection``), a norm between that map
-   and the add (``post_norm``), a config multiplier (``multiplier``), an affine merge (``scale``, ``bias``).
-2. **What acts on the stream itself after a term is written?** ``Term.stream_scale`` / ``Term.stream_bias`` (the
-   stream is ``(stream + stream_bias) * stream_scale`` when the term is added, as on Doge and ZAYA) and
-   ``Family.layer_scale`` (the whole stream times a per-block buffer after the block, as on Gemma-4);
-   ``Term.stream_multiplier`` (a scalar, MiniMax's alpha); ``Term.stream_norm`` / ``Term.stream_norm_after`` (a norm
-   applied to the stream itself before / right after the add: MiniMax, RWKV's block 0, OpenAI GPT's post-norm blocks).
+   (``output``), how it splits (``split``: ``Heads`` / ``Neurons`` at a linear map's input, ``projection``;
+   ``Experts`` / ``Routed`` mixtures of experts), and how it is scaled (``write``, a ``Write``: a norm between that
+   map and the add, ``post_norm``; a config multiplier, ``multiplier``; an affine merge, ``scale``, ``bias``).
+2. **What acts on the stream itself after a term is written?** ``Term.stream`` (a ``Stream``): ``scale`` /
+   ``bias`` (the stream is ``(stream + bias) * scale`` when the term is added, as on Doge and ZAYA), ``multiplier``
+   (a scalar, MiniMax's alpha), ``norm`` / ``norm_after`` (a norm applied to the stream itself before / right after
+   the add: MiniMax, RWKV's block 0, OpenAI GPT's post-norm blocks); and ``Family.layer_scale`` (the whole stream
+   times a per-block buffer after the block, as on Gemma-4).
 3. **What does the final head apply after the final norm and ``lm_head``?** ``logits_times`` / ``logits_over`` (a
    config constant) and ``softcap`` (``c * tanh(z / c)``: not linear, so the parts sum to the pre-cap logit);
    ``head_input_over`` (lm_head reads the final norm's output over a config constant) and ``final_norm`` (``"none"``:
@@ -33,17 +34,31 @@ family declared ``padding_safe`` really is (its padded batch's logits against ea
 no entry can describe exactly yet goes in ``REFUSED`` (``table.py``) with the reason, which ``family_of`` raises.
 The docs page "Family table" is generated from this package (``notebooks/families_table.py``).
 
-Modules: ``schema.py`` (the dataclasses), ``shapes.py`` (shared shapes, computed scalars), ``dense.py`` /
+Modules: ``schema.py`` (the dataclasses: ``Term`` and its records ``Write``, ``Stream``, ``Heads``, ``Neurons``,
+``Experts``, ``Routed``), ``shapes.py`` (shared shapes, computed scalars), ``dense.py`` /
 ``experts.py`` / ``hybrid.py`` (the entries, ``DENSE`` / ``EXPERTS`` / ``HYBRID``), ``table.py`` (``FAMILIES``,
 ``REFUSED``, ``family_of``, ``text_config``). ``family_of`` reads ``table.FAMILIES``: a test that swaps in an
 entry patches ``dla_recipes.families.table.FAMILIES``.
 """
 
 from . import table
-from .schema import FUSED, ExpertsLayout, Family, LayerKind, Split, Term
+from .schema import (
+    FUSED,
+    Experts,
+    ExpertsLayout,
+    Family,
+    Heads,
+    LayerKind,
+    Neurons,
+    Routed,
+    Split,
+    Stream,
+    Term,
+    Write,
+)
 from .table import FAMILIES, REFUSED, family_of, text_config
 
 __all__ = [
-    "FAMILIES", "FUSED", "REFUSED", "ExpertsLayout", "Family", "LayerKind", "Split", "Term", "family_of", "table",
-    "text_config",
+    "FAMILIES", "FUSED", "REFUSED", "Experts", "ExpertsLayout", "Family", "Heads", "LayerKind", "Neurons", "Routed",
+    "Split", "Stream", "Term", "Write", "family_of", "table", "text_config",
 ]

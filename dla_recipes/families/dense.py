@@ -4,7 +4,7 @@ shapes. ``table.py`` joins ``DENSE`` with ``EXPERTS`` and ``HYBRID`` into ``FAMI
 
 from __future__ import annotations
 
-from .schema import Family, LayerKind, Term
+from .schema import Experts, Family, Heads, LayerKind, Neurons, Stream, Term, Write
 from .shapes import INKLING_ATTENTION, LLAMA_LIKE, OPT_LIKE, POST_NORM_ONLY, SANDWICH, depth_scale, sequential
 
 DENSE: tuple[Family, ...] = (
@@ -44,22 +44,22 @@ DENSE: tuple[Family, ...] = (
            notes="sandwich norms."),
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", stream_scale="input_residual",
-             reads="input_layernorm", values="self_attn.v_proj.output"),
-        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", stream_scale="post_attention_residual",
-             reads="post_attention_layernorm"),
+        Term("attn", "self_attn.output", Heads("self_attn.o_proj", values="self_attn.v_proj.output"),
+             reads="input_layernorm", stream=Stream(scale="input_residual")),
+        Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="post_attention_layernorm",
+             stream=Stream(scale="post_attention_residual")),
     )),), notes="per-channel residual gates: mid = input_residual * x + attn; out = post_attention_residual * mid + mlp."),
     Family("gemma4", ("gemma4_text", "gemma4"), (LayerKind((
-        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj", post_norm="post_attention_layernorm",
-             reads="input_layernorm", values="self_attn.v_norm.output"),
-        Term("mlp", "post_feedforward_layernorm_1.output", "neurons", "mlp.down_proj",
-             post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm",
-             reads="pre_feedforward_layernorm", when="experts"),
-        Term("mlp", "post_feedforward_layernorm.output", "neurons", "mlp.down_proj", post_norm="post_feedforward_layernorm",
-             reads="pre_feedforward_layernorm", unless="experts"),
-        Term("experts", "post_feedforward_layernorm_2.output", "experts", "experts",
-             post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm",
-             reads="pre_feedforward_layernorm_2", parallel=True, when="experts"),
+        Term("attn", "post_attention_layernorm.output", Heads("self_attn.o_proj", values="self_attn.v_norm.output"),
+             reads="input_layernorm", write=Write(post_norm="post_attention_layernorm")),
+        Term("mlp", "post_feedforward_layernorm_1.output", Neurons("mlp.down_proj"), reads="pre_feedforward_layernorm",
+             when="experts",
+             write=Write(post_norm="post_feedforward_layernorm_1", outer_norm="post_feedforward_layernorm")),
+        Term("mlp", "post_feedforward_layernorm.output", Neurons("mlp.down_proj"), reads="pre_feedforward_layernorm",
+             unless="experts", write=Write(post_norm="post_feedforward_layernorm")),
+        Term("experts", "post_feedforward_layernorm_2.output", Experts("experts"), reads="pre_feedforward_layernorm_2",
+             parallel=True, when="experts",
+             write=Write(post_norm="post_feedforward_layernorm_2", outer_norm="post_feedforward_layernorm")),
         Term("ple", "post_per_layer_input_norm.output", when="per_layer_input_gate"),
     )),), layer_scale="layer_scalar", softcap="final_logit_softcapping", logits_to_keep=False,
         notes="sandwich norms; the whole stream times layer_scalar after each block; optional terms: the MoE "
@@ -77,16 +77,17 @@ DENSE: tuple[Family, ...] = (
     Family("inkling", ("inkling_text",), (
         LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", reads="post_attention_layernorm")),
                   when="mlp.experts"),
-        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output", "neurons", "mlp.down_proj",
-                                           position_conv="mlp_sconv", projection_scale="mlp.global_scale",
+        LayerKind((INKLING_ATTENTION, Term("mlp", "mlp_sconv.output",
+                                           Neurons("mlp.down_proj", position_conv="mlp_sconv",
+                                                   projection_scale="mlp.global_scale"),
                                            reads="post_attention_layernorm"))),
     ), head_input_over="logits_mup_width_multiplier", load_kwargs={"check_renaming": False},
         notes="each sublayer's output x is added as x + causal_conv(x) over positions (a position convolution: "
               "heads and neurons are read at the K last positions); the MoE blocks' experts (a bmm shared-expert "
               "layout) are not split; lm_head reads the final norm's output over the mup width."),
     Family("openai-gpt", ("openai-gpt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.c_proj", stream_norm_after="ln_1"),
-        Term("mlp", "mlp.output", "neurons", "mlp.c_proj", stream_norm_after="ln_2"),
+        Term("attn", "self_attn.output", Heads("self_attn.c_proj"), stream=Stream(norm_after="ln_1")),
+        Term("mlp", "mlp.output", Neurons("mlp.c_proj"), stream=Stream(norm_after="ln_2")),
     )),), final_norm="none", load_kwargs={"check_renaming": False},
         notes="post-norm blocks: the stream is normed right after each add (ln_1, ln_2); no final norm (lm_head "
               "reads the last block's output); Conv1D weights; learned positions in embed."),
@@ -95,28 +96,31 @@ DENSE: tuple[Family, ...] = (
            notes="writes times residual_multiplier; embedding times embedding_multiplier; logits over logits_scaling."),
     # Modules that add the residual inside themselves, in-place adds, sublayers outside a module.
     Family("bloom", ("bloom",), (LayerKind((
-        Term("attn", "self_attn.dense.output", "heads", "self_attn.dense", reads="input_layernorm",
-             values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
-        Term("mlp", "mlp.dense_4h_to_h.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
+        Term("attn", "self_attn.dense.output",
+             Heads("self_attn.dense", values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
+             reads="input_layernorm"),
+        Term("mlp", "mlp.dense_4h_to_h.output", Neurons("mlp.dense_4h_to_h"), reads="post_attention_layernorm"),
     )),), notes="modules add the residual inside: the terms are the dense projections' outputs."),
     Family("falcon", ("falcon",), (
         LayerKind((  # new decoder architecture, two norms
-            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="ln_attn"),
-            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True, reads="ln_mlp", parallel=True),
+            Term("attn", "self_attn.output", Heads("self_attn.dense"), reads="ln_attn"),
+            Term("mlp", "mlp.output", Neurons("mlp.dense_4h_to_h"), reads="ln_mlp", parallel=True,
+                 write=Write(clone=True)),
         ), when="ln_mlp"),
         LayerKind((  # sequential (parallel_attn=False)
-            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="input_layernorm"),
-            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm"),
+            Term("attn", "self_attn.output", Heads("self_attn.dense"), reads="input_layernorm"),
+            Term("mlp", "mlp.output", Neurons("mlp.dense_4h_to_h"), reads="post_attention_layernorm"),
         ), when="post_attention_layernorm"),
         LayerKind((  # parallel, one norm
-            Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="input_layernorm"),
-            Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", clone=True, reads="input_layernorm", parallel=True),
+            Term("attn", "self_attn.output", Heads("self_attn.dense"), reads="input_layernorm"),
+            Term("mlp", "mlp.output", Neurons("mlp.dense_4h_to_h"), reads="input_layernorm", parallel=True,
+                 write=Write(clone=True)),
         )),
     ), notes="parallel: the block adds the attention output into the MLP output in place (the MLP term is a copy)."),
     Family("opt", ("opt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm",
-             values="self_attn.v_proj.output"),
-        Term("mlp", "fc2.output", "neurons", "fc2", flat=True, reads="final_layer_norm"),
+        Term("attn", "self_attn.output", Heads("self_attn.out_proj", values="self_attn.v_proj.output"),
+             reads="self_attn_layer_norm"),
+        Term("mlp", "fc2.output", Neurons("fc2"), reads="final_layer_norm", write=Write(flat=True)),
     )),), notes="fc1/fc2 sit on the block (nnterp finds no MLP module)."),
     # --- Families described by the shared shapes (issue 12) -------------------------------------------------
     Family("llama_like", (
@@ -159,18 +163,19 @@ DENSE: tuple[Family, ...] = (
            softcap="final_logit_softcapping", logits_to_keep=False,
            notes="sandwich norms; the whole stream times layer_scalar after each block; KV-shared layers."),
     Family("mpt", ("mpt",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="norm_1"),
-        Term("mlp", "mlp.down_proj.output", "neurons", "mlp.down_proj", reads="norm_2"),
+        Term("attn", "self_attn.output", Heads("self_attn.out_proj"), reads="norm_1"),
+        Term("mlp", "mlp.down_proj.output", Neurons("mlp.down_proj"), reads="norm_2"),
     )),), notes="ALiBi; the MLP adds the residual inside: the term is down_proj's output."),
     Family("ctrl", ("ctrl",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.dense", reads="layernorm1"),
-        Term("mlp", "mlp.output", "neurons", "mlp.2", reads="layernorm2"),
+        Term("attn", "self_attn.output", Heads("self_attn.dense"), reads="layernorm1"),
+        Term("mlp", "mlp.output", Neurons("mlp.2"), reads="layernorm2"),
     )),), rename={"attn_name": "multi_head_attention", "ln_final_name": "layernorm"},
         load_kwargs={"check_renaming": False},
         notes="sinusoidal positions; embeddings scaled by sqrt(d_model); MLP is a Sequential (mlp.2 = down)."),
     Family("gpt_neox_japanese", ("gpt_neox_japanese",), tuple(
-        LayerKind((Term("attn", "self_attn.output", "heads", "self_attn.dense", bias=bias, reads="input_layernorm"),
-                   Term("mlp", "mlp.output", "neurons", "mlp.dense_4h_to_h", reads="post_attention_layernorm")),
+        LayerKind((Term("attn", "self_attn.output", Heads("self_attn.dense"), reads="input_layernorm",
+                        write=Write(bias=bias)),
+                   Term("mlp", "mlp.output", Neurons("mlp.dense_4h_to_h"), reads="post_attention_layernorm")),
                   when=bias)
         for bias in ("self_attn.dense_bias", None)
     ), rename={"model_name": "gpt_neox_japanese"},

@@ -4,7 +4,7 @@ routed-plus-shared shapes of ``moe_kinds``. ``table.py`` joins ``EXPERTS`` with 
 
 from __future__ import annotations
 
-from .schema import ExpertsLayout, Family, LayerKind, Term
+from .schema import Experts, ExpertsLayout, Family, Heads, LayerKind, Neurons, Routed, Stream, Term, Write
 from .shapes import (
     ATTENTION,
     DENSE_MLP,
@@ -24,31 +24,36 @@ EXPERTS: tuple[Family, ...] = (
     Family("mixtral", ("mixtral",), (LayerKind((ATTENTION, ROUTED)),)),
     Family("olmoe", ("olmoe",), (LayerKind((ATTENTION, ROUTED)),)),
     Family("qwen2_moe", ("qwen2_moe",), (LayerKind((ATTENTION, Term(
-        "mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
-        shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"))),),
+        "mlp", "mlp.output", Experts("mlp.experts", shared="mlp.shared_expert.down_proj",
+                                     shared_gate="mlp.shared_expert_gate", shared_first=True),
+        reads="post_attention_layernorm"))),),
         notes="a shared expert gated by sigmoid(shared_expert_gate), run before the routed experts."),
     Family("deepseek_v3", ("deepseek_v3",), (
-        LayerKind((MLA, Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
+        LayerKind((MLA, Term("mlp", "mlp.output", Experts("mlp.experts", shared="mlp.shared_experts.down_proj"),
                              reads="post_attention_layernorm")),
                   when="mlp.experts"),
         LayerKind((MLA, DENSE_MLP)),
     ), notes="MLA attention (H x v_head_dim into o_proj); the first blocks are dense, the rest MoE + shared experts."),
     # --- Mixtures of experts with their own layouts (issue 12)
     Family("gpt_oss", ("gpt_oss",), (LayerKind((ATTENTION, Term(
-        "mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm", layout=ExpertsLayout(
+        "mlp", "mlp.output", Experts("mlp.experts", layout=ExpertsLayout(
             transposed=("gate_up_proj", "down_proj"), gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias")),
+        reads="post_attention_layernorm"),
     )),), notes="attention sinks; experts stored [in, out] with biases, gate/up interleaved and clamped (its own "
                 "_apply_gate); each expert's down bias is part of that expert."),
     Family("aria_text", ("aria_text",), (LayerKind((ATTENTION, Term(
-        "mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
-        reads="post_attention_layernorm", layout=ExpertsLayout(transposed=("gate_up_proj", "down_proj")))),
+        "mlp", "mlp.output", Experts("mlp.experts", layout=ExpertsLayout(transposed=("gate_up_proj", "down_proj")),
+                                     shared="mlp.shared_experts.down_proj"),
+        reads="post_attention_layernorm")),
     ),), notes="experts stored [in, out]; shared experts run after the routed ones."),
     Family("llama4_text", ("llama4_text",), (LayerKind((
         ATTENTION,
-        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj", flat=True,
-             reads="post_attention_layernorm", when="mlp.experts", layout=ExpertsLayout(
-                 transposed=("gate_up_proj", "down_proj"), gating=None, scaled_inputs=True)),
-        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm", unless="mlp.experts"),
+        Term("mlp", "mlp.output",
+             Experts("mlp.experts",
+                     layout=ExpertsLayout(transposed=("gate_up_proj", "down_proj"), gating=None, scaled_inputs=True),
+                     shared="mlp.shared_expert.down_proj"), reads="post_attention_layernorm", when="mlp.experts",
+             write=Write(flat=True)),
+        Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="post_attention_layernorm", unless="mlp.experts"),
     )),), rename={"mlp_name": "feed_forward"}, load_kwargs={"check_renaming": False},
         notes="every expert runs on every token, its input pre-multiplied by the sigmoid router score (0: not "
               "routed); a shared expert; dense and MoE blocks interleave (optional terms); the MoE block's output is "
@@ -57,72 +62,80 @@ EXPERTS: tuple[Family, ...] = (
               "past floor_scale (8192) tokens."),
     Family("minimax_m3_vl_text", ("minimax_m3_vl_text",), (LayerKind((
         ATTENTION,
-        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj", shared_first=True,
-             reads="post_attention_layernorm", when="mlp.experts",
-             layout=ExpertsLayout(routed_scale="routed_scaling_factor")),
-        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm", unless="mlp.experts"),
+        Term("mlp", "mlp.output",
+             Experts("mlp.experts", layout=ExpertsLayout(routed_scale="routed_scaling_factor"),
+                     shared="mlp.shared_experts.down_proj", shared_first=True), reads="post_attention_layernorm",
+             when="mlp.experts"),
+        Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="post_attention_layernorm", unless="mlp.experts"),
     )),), notes="clamped SwiGLU experts without act_fn (their own _apply_gate); routed experts times "
                 "routed_scaling_factor, plus a shared expert run first; dense and MoE blocks (optional terms)."),
     Family("cohere2_moe", ("cohere2_moe",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm"),
-        Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_experts.down_proj",
-             reads="input_layernorm", parallel=True, when="mlp.experts",
-             layout=ExpertsLayout(routed_scale=cohere2_moe_mean, shared_scale=cohere2_moe_mean)),
-        Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="input_layernorm", parallel=True,
+        Term("attn", "self_attn.output", Heads("self_attn.o_proj"), reads="input_layernorm"),
+        Term("mlp", "mlp.output",
+             Experts("mlp.experts", layout=ExpertsLayout(routed_scale=cohere2_moe_mean, shared_scale=cohere2_moe_mean),
+                     shared="mlp.shared_experts.down_proj"),
+             reads="input_layernorm", parallel=True, when="mlp.experts"),
+        Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="input_layernorm", parallel=True,
              unless="mlp.experts"),
     )),), logits_times="logit_scale",
         notes="parallel block (one input_layernorm); routed and shared experts summed or averaged "
               "(shared_expert_combination_strategy); dense prefix blocks; logits times logit_scale."),
     Family("dbrx", ("dbrx",), (LayerKind((
-        Term("attn", "norm_attn_norm.attn.output", "heads", "norm_attn_norm.attn.out_proj", reads="norm_attn_norm.norm_1"),
-        Term("mlp", "mlp.output", "experts", "mlp.experts", reads="norm_attn_norm.norm_2", layout=ExpertsLayout(
-            gate_up=None, gate="mlp.w1", up="mlp.v1", down="mlp.w2", transposed=("mlp.w2",), gating=None,
-            activation="mlp.activation_fn")),
+        Term("attn", "norm_attn_norm.attn.output", Heads("norm_attn_norm.attn.out_proj"),
+             reads="norm_attn_norm.norm_1"),
+        Term("mlp", "mlp.output",
+             Experts("mlp.experts",
+                     layout=ExpertsLayout(gate_up=None, gate="mlp.w1", up="mlp.v1", down="mlp.w2",
+                                          transposed=("mlp.w2",), gating=None, activation="mlp.activation_fn")),
+             reads="norm_attn_norm.norm_2"),
     )),), notes="separate flattened w1 / v1 / w2 expert weights [E * I, d] (w2 used as [in, out]); the attention "
                 "sits inside norm_attn_norm (nnterp's self_attn) with both norms."),
     # Gates and scalars on the stream itself.
     Family("zaya", ("zaya",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.o_proj",
-             scale="post_attention_residual_scale.hidden_states_scale",
-             bias="post_attention_residual_scale.hidden_states_bias",
-             stream_scale="post_attention_residual_scale.residual_scale",
-             stream_bias="post_attention_residual_scale.residual_bias", reads="input_layernorm"),
-        Term("mlp", "mlp.output", "experts", "mlp.experts",
-             scale="post_mlp_residual_scale.hidden_states_scale",
-             bias="post_mlp_residual_scale.hidden_states_bias",
-             stream_scale="post_mlp_residual_scale.residual_scale",
-             stream_bias="post_mlp_residual_scale.residual_bias", reads="post_attention_layernorm"),
+        Term("attn", "self_attn.output", Heads("self_attn.o_proj"), reads="input_layernorm",
+             write=Write(scale="post_attention_residual_scale.hidden_states_scale",
+                         bias="post_attention_residual_scale.hidden_states_bias"),
+             stream=Stream(scale="post_attention_residual_scale.residual_scale",
+                           bias="post_attention_residual_scale.residual_bias")),
+        Term("mlp", "mlp.output", Experts("mlp.experts"), reads="post_attention_layernorm",
+             write=Write(scale="post_mlp_residual_scale.hidden_states_scale",
+                         bias="post_mlp_residual_scale.hidden_states_bias"),
+             stream=Stream(scale="post_mlp_residual_scale.residual_scale",
+                           bias="post_mlp_residual_scale.residual_bias")),
     )),), notes="each merge is (h + hb) * hs + (stream + rb) * rs (ZayaResidualScaling); MoE MLP."),
     # Mixture of attention: ScatterMoE-style grouped experts in the attention and in the MLP.
     Family("jetmoe", ("jetmoe",), (LayerKind((
-        Term("attn", "self_attn.output", "heads", "self_attn.experts.output_linear",
-             router="self_attn.experts.router", projection_bias="self_attn.experts.bias", reads="input_layernorm"),
-        Term("mlp", "mlp.output", "experts", "mlp.output_linear", router="mlp.router", projection_bias="mlp.bias",
+        Term("attn", "self_attn.output",
+             Routed("self_attn.experts.output_linear", "self_attn.experts.router", parts="heads",
+                    projection_bias="self_attn.experts.bias"), reads="input_layernorm"),
+        Term("mlp", "mlp.output",
+             Routed("mlp.output_linear", "mlp.router", parts="experts", projection_bias="mlp.bias"),
              reads="post_attention_layernorm"),
     )),), notes="mixture of attention (each token routes to top-k attention experts, each owning a group of heads) "
                 "and a mixture of experts MLP, both ScatterMoE-style grouped experts."),
     # --- New term kinds (issue 12): computed scalars, norms on the stream itself
     Family("beam", ("beam",), tuple(
         LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
-                 post_norm="post_attention_layernorm", multiplier=beam_write(0),
-                 stream_multiplier=beam_stream(0), reads="input_layernorm"),
-            Term("mlp", "post_feedforward_layernorm.output", split, f"mlp.{projection}",
-                 post_norm="post_feedforward_layernorm", multiplier=beam_write(1), stream_multiplier=beam_stream(1),
-                 projection_multiplier=scaling, reads="pre_feedforward_layernorm"),
+            Term("attn", "post_attention_layernorm.output", Heads("self_attn.o_proj"), reads="input_layernorm",
+                 write=Write(post_norm="post_attention_layernorm", multiplier=beam_write(0)),
+                 stream=Stream(multiplier=beam_stream(0))),
+            Term("mlp", "post_feedforward_layernorm.output", split, reads="pre_feedforward_layernorm",
+                 write=Write(post_norm="post_feedforward_layernorm", multiplier=beam_write(1)),
+                 stream=Stream(multiplier=beam_stream(1))),
         ), when=when)
-        for when, split, projection, scaling in (("mlp.experts", "experts", "experts", "routed_scaling_factor"),
-                                                 (None, "neurons", "down_proj", None))
+        for when, split in (("mlp.experts", Experts("mlp.experts", projection_multiplier="routed_scaling_factor")),
+                            (None, Neurons("mlp.down_proj")))
     ), softcap="final_logit_softcapping", load_kwargs={"check_renaming": False},
         notes="sandwich norms; each add is depth-scaled: stream * sqrt((n - 1) / n) + write / sqrt(n) for the n-th "
               "add (computed scalars); experts' sum times routed_scaling_factor before the post-norm."),
     Family("minimax", ("minimax",), tuple(
         LayerKind((
-            Term("attn", "self_attn.output", "heads", f"self_attn.{projection}", multiplier=f"{kind}_attn_beta_factor",
-                 stream_multiplier=f"{kind}_attn_alpha_factor", stream_norm="input_layernorm", reads="input_layernorm"),
-            Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier="mlp_beta_factor",
-                 stream_multiplier="mlp_alpha_factor", stream_norm="post_attention_layernorm",
-                 reads="post_attention_layernorm"),
+            Term("attn", "self_attn.output", Heads(f"self_attn.{projection}"), reads="input_layernorm",
+                 write=Write(multiplier=f"{kind}_attn_beta_factor"),
+                 stream=Stream(multiplier=f"{kind}_attn_alpha_factor", norm="input_layernorm")),
+            Term("mlp", "mlp.output", Experts("mlp.experts"), reads="post_attention_layernorm",
+                 write=Write(multiplier="mlp_beta_factor"),
+                 stream=Stream(multiplier="mlp_alpha_factor", norm="post_attention_layernorm")),
         ), when=f"self_attn.{projection}")
         for projection, kind in (("o_proj", "full"), ("out_proj", "linear"))
     ), load_kwargs={"check_renaming": False},
@@ -143,27 +156,28 @@ EXPERTS: tuple[Family, ...] = (
     Family("axk1", ("axk1",), moe_kinds(post_norm="mlp.post_mlp_layernorm"),
            notes="MLA attention; routed + shared experts under a norm inside the MoE module (post_mlp_layernorm)."),
     Family("flex_olmo", ("flex_olmo",), (LayerKind((
-        Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
-             post_norm="post_attention_layernorm"),
-        Term("mlp", "post_feedforward_layernorm.output", "experts", "mlp.experts",
-             post_norm="post_feedforward_layernorm"),
+        Term("attn", "post_attention_layernorm.output", Heads("self_attn.o_proj"),
+             write=Write(post_norm="post_attention_layernorm")),
+        Term("mlp", "post_feedforward_layernorm.output", Experts("mlp.experts"),
+             write=Write(post_norm="post_feedforward_layernorm")),
     )),), notes="OLMo-2 post-norms around attention and routed experts."),
     Family("afmoe", ("afmoe",), (
         LayerKind((
-            Term("attn", "post_attention_layernorm.output", "heads", "self_attn.o_proj",
-                 post_norm="post_attention_layernorm", reads="input_layernorm"),
-            Term("mlp", "post_mlp_layernorm.output", "experts", "mlp.experts", post_norm="post_mlp_layernorm",
-                 shared="mlp.shared_experts.down_proj", shared_first=True, reads="pre_mlp_layernorm"),
+            Term("attn", "post_attention_layernorm.output", Heads("self_attn.o_proj"), reads="input_layernorm",
+                 write=Write(post_norm="post_attention_layernorm")),
+            Term("mlp", "post_mlp_layernorm.output",
+                 Experts("mlp.experts", shared="mlp.shared_experts.down_proj", shared_first=True),
+                 reads="pre_mlp_layernorm", write=Write(post_norm="post_mlp_layernorm")),
         ), when="mlp.experts"),
         sequential(attn_post="post_attention_layernorm", mlp_post="post_mlp_layernorm",
                    reads=("input_layernorm", "pre_mlp_layernorm"))[0],
     ), notes="sandwich norms; gated attention; routed + shared experts after dense first blocks."),
     Family("kolibri1", ("kolibri1",), (
         LayerKind((
-            Term("attn", "post_self_attn_layernorm.output", "heads", "self_attn.o_proj",
-                 post_norm="post_self_attn_layernorm", reads="input_layernorm"),
-            Term("mlp", "post_mlp_layernorm.output", "experts", "mlp.experts", post_norm="post_mlp_layernorm",
-                 shared="mlp.shared_experts.down_proj", reads="post_attention_layernorm"),
+            Term("attn", "post_self_attn_layernorm.output", Heads("self_attn.o_proj"), reads="input_layernorm",
+                 write=Write(post_norm="post_self_attn_layernorm")),
+            Term("mlp", "post_mlp_layernorm.output", Experts("mlp.experts", shared="mlp.shared_experts.down_proj"),
+                 reads="post_attention_layernorm", write=Write(post_norm="post_mlp_layernorm")),
         ), when="mlp.experts"),
         sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm")[0],
     ), notes="sandwich norms; routed + shared experts."),

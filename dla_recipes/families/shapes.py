@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .schema import LayerKind, Term
+from .schema import Experts, Heads, LayerKind, Neurons, Term, Write
 
 
 def sequential(
@@ -31,26 +31,26 @@ def sequential(
     return (
         LayerKind(
             (
-                Term("attn", attn_out, "heads", f"self_attn.{attn_proj}", post_norm=attn_post, multiplier=multiplier,
-                     reads=reads[0], values=values, values_layout=values_layout),
-                Term("mlp", mlp_out, "neurons", f"mlp.{mlp_proj}", post_norm=mlp_post, multiplier=multiplier,
-                     reads=reads[1], parallel=parallel),
+                Term("attn", attn_out, Heads(f"self_attn.{attn_proj}", values=values, values_layout=values_layout),
+                     reads=reads[0], write=Write(post_norm=attn_post, multiplier=multiplier)),
+                Term("mlp", mlp_out, Neurons(f"mlp.{mlp_proj}"), reads=reads[1], parallel=parallel,
+                     write=Write(post_norm=mlp_post, multiplier=multiplier)),
             )
         ),
     )
 
 
 LLAMA_LIKE = sequential()
-ATTENTION = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm",
-                 values="self_attn.v_proj.output")
-MLA = Term("attn", "self_attn.output", "heads", "self_attn.o_proj", reads="input_layernorm")  # values inside kv_b_proj
-DENSE_MLP = Term("mlp", "mlp.output", "neurons", "mlp.down_proj", reads="post_attention_layernorm")
-ROUTED = Term("mlp", "mlp.output", "experts", "mlp.experts", reads="post_attention_layernorm")  # fused MoE
+ATTENTION = Term("attn", "self_attn.output", Heads("self_attn.o_proj", values="self_attn.v_proj.output"),
+                 reads="input_layernorm")
+MLA = Term("attn", "self_attn.output", Heads("self_attn.o_proj"), reads="input_layernorm")  # values inside kv_b_proj
+DENSE_MLP = Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="post_attention_layernorm")
+ROUTED = Term("mlp", "mlp.output", Experts("mlp.experts"), reads="post_attention_layernorm")  # fused MoE
 SANDWICH = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
                       reads=("input_layernorm", "pre_feedforward_layernorm"))  # Gemma 2 / 3: norms around both
 OPT_LIKE = LayerKind((  # OPT, XGLM, BioGPT: fc1 / fc2 sit on the block
-    Term("attn", "self_attn.output", "heads", "self_attn.out_proj", reads="self_attn_layer_norm"),
-    Term("mlp", "fc2.output", "neurons", "fc2", reads="final_layer_norm"),
+    Term("attn", "self_attn.output", Heads("self_attn.out_proj"), reads="self_attn_layer_norm"),
+    Term("mlp", "fc2.output", Neurons("fc2"), reads="final_layer_norm"),
 ))
 POST_NORM_ONLY = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
                             reads=(None, None))  # OLMo 2 / 3, EXAONE-4: the sublayers read the raw stream
@@ -63,10 +63,11 @@ def moe_kinds(shared_first: bool = False, attention: Term = ATTENTION, post_norm
     ``shared_mlp``), routed experts alone, or a dense MLP: whichever the block has. ``post_norm``: a norm inside the
     MoE module after the sum (A.X-K1). ``mixer``: a second kind of token mixer and the path that marks its blocks."""
     def routed(shared):
-        return Term("mlp", "mlp.output", "experts", "mlp.experts", shared=shared and f"{shared}.down_proj",
-                    shared_first=shared_first, post_norm=post_norm, reads=mlp_reads)
+        return Term("mlp", "mlp.output",
+                    Experts("mlp.experts", shared=shared and f"{shared}.down_proj", shared_first=shared_first),
+                    reads=mlp_reads, write=Write(post_norm=post_norm))
     mlps = [(routed(f"mlp.{name}"), (f"mlp.{name}",)) for name in ("shared_experts", "shared_expert", "shared_mlp")]
-    dense = Term("mlp", "mlp.output", "neurons", f"mlp.{down}", reads=mlp_reads)
+    dense = Term("mlp", "mlp.output", Neurons(f"mlp.{down}"), reads=mlp_reads)
     mlps += [(routed(None), ("mlp.experts",)), (dense, ())]
     mixers = [(mixer[0], (mixer[1],)), (attention, ())] if mixer else [(attention, ())]
     return tuple(LayerKind((m, mlp), when=m_when + mlp_when or None) for m, m_when in mixers for mlp, mlp_when in mlps)
@@ -76,12 +77,14 @@ def granite_moe_kinds() -> tuple[LayerKind, ...]:
     """Granite MoE blocks: attention or a Mamba mixer, then routed experts and / or a shared MLP, every write times
     ``residual_multiplier``."""
     mult = "residual_multiplier"
-    experts = Term("mlp", "mlp.output", "experts", "mlp.experts", multiplier=mult, reads="post_attention_layernorm")
-    shared = Term("shared_mlp", "shared_mlp.output", "neurons", "shared_mlp.output_linear", multiplier=mult,
-                  reads="post_attention_layernorm")
+    experts = Term("mlp", "mlp.output", Experts("mlp.experts"), reads="post_attention_layernorm",
+                   write=Write(multiplier=mult))
+    shared = Term("shared_mlp", "shared_mlp.output", Neurons("shared_mlp.output_linear"),
+                  reads="post_attention_layernorm", write=Write(multiplier=mult))
     mixers = (
-        (Term("mixer", "mamba.output", multiplier=mult, reads="input_layernorm"), "mamba"),
-        (Term("attn", "self_attn.output", "heads", "self_attn.o_proj", multiplier=mult, reads="input_layernorm"),
+        (Term("mixer", "mamba.output", reads="input_layernorm", write=Write(multiplier=mult)), "mamba"),
+        (Term("attn", "self_attn.output", Heads("self_attn.o_proj"), reads="input_layernorm",
+              write=Write(multiplier=mult)),
          "self_attn"),
     )
     mlps = (
@@ -140,10 +143,10 @@ def hy_head_weights(head, streams: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
 
 
-INKLING_ATTENTION = Term("attn", "attn_sconv.output", "heads", "self_attn.o_proj", position_conv="attn_sconv",
+INKLING_ATTENTION = Term("attn", "attn_sconv.output", Heads("self_attn.o_proj", position_conv="attn_sconv"),
                          reads="input_layernorm")
-RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output", "neurons", "feed_forward.value",
-                        output_gate="feed_forward.receptance", reads="ln2")
+RWKV_CHANNEL_MIX = Term("mlp", "feed_forward.output",
+                        Neurons("feed_forward.value", output_gate="feed_forward.receptance"), reads="ln2")
 
 
 QWEN_NEXT_KINDS = tuple(
@@ -151,10 +154,11 @@ QWEN_NEXT_KINDS = tuple(
     for mixer, has in ((Term("mixer", "self_attn.output", reads="input_layernorm"), "self_attn.out_proj"),
                        (ATTENTION, "self_attn.o_proj"))
     for mlp, when in (
-        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
-              shared_gate="mlp.shared_expert_gate", shared_first=True, reads="post_attention_layernorm"),
+        (Term("mlp", "mlp.output",
+              Experts("mlp.experts", shared="mlp.shared_expert.down_proj", shared_gate="mlp.shared_expert_gate",
+                      shared_first=True), reads="post_attention_layernorm"),
          "mlp.shared_expert_gate"),
-        (Term("mlp", "mlp.output", "experts", "mlp.experts", shared="mlp.shared_expert.down_proj",
+        (Term("mlp", "mlp.output", Experts("mlp.experts", shared="mlp.shared_expert.down_proj"),
               reads="post_attention_layernorm"), "mlp.shared_expert"),
         (ROUTED, "mlp.experts"),
         (DENSE_MLP, "mlp.down_proj"),

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ..errors import FamilyTableError
-from ..families import Family, Term, family_of, text_config
+from ..families import Experts, Family, Heads, Neurons, Routed, Term, family_of, text_config
 from .plan import Kind, Plan, PlannedTerm
 
 
@@ -93,33 +93,34 @@ def build_plan(model, family: Family | None = None) -> Plan:
 
 build_plan.cache_clear = _PLANS.clear
 
+KIND_OF_SPLIT: dict[type, Kind] = {Heads: "linear", Neurons: "linear", Experts: "experts", Routed: "routed"}
+
+
 def kind_of(term: Term) -> Kind:
-    """How the in-trace recipe reads ``term``'s parts (``PlannedTerm.kind``)."""
+    """How the in-trace recipe reads ``term``'s parts (``PlannedTerm.kind``): ``"block"`` when never split, else its
+    split record's kind (``KIND_OF_SPLIT``), ``"conv"`` for a linear split under a position convolution."""
     if term.split is None:
         return "block"
-    if term.router is not None:
-        return "routed"
-    if term.split == "experts":
-        return "experts"
-    return "conv" if term.position_conv is not None else "linear"
+    kind = KIND_OF_SPLIT[type(term.split)]
+    return "conv" if kind == "linear" and term.split.position_conv is not None else kind
 
 
 def _experts_shape(family: Family, i: int, layer, term: Term, d_model: int) -> tuple[int, int]:
     """``(experts, neurons per expert)`` of a fused experts module, from its layout's weights."""
-    layout = term.layout
-    module = module_at(layer, term.projection)._module
+    layout, projection = term.split.layout, term.split.projection
+    module = module_at(layer, projection)._module
     activation = layout.gating if layout.gating is not None and layout.gate_up is not None else layout.activation
     for path in (layout.gate_up, layout.gate, layout.up, layout.down, layout.gate_up_bias, layout.down_bias, activation):
         if path is not None and not has_path(module, path):
             raise FamilyTableError(
-                f"family {family.name!r}: block {i}: the experts module {term.projection} ({type(module).__name__}) "
+                f"family {family.name!r}: block {i}: the experts module {projection} ({type(module).__name__}) "
                 f"has no {path!r} (term {term.name!r}); the family table's ExpertsLayout does not describe it"
             )
     down = module_at(module, layout.down)
     experts = int(getattr(module, "num_experts", 0) or down.shape[0])
     if down.numel() % (experts * d_model):
         raise FamilyTableError(
-            f"family {family.name!r}: block {i}: {term.projection}.{layout.down} {tuple(down.shape)} does not split "
+            f"family {family.name!r}: block {i}: {projection}.{layout.down} {tuple(down.shape)} does not split "
             f"into {experts} experts of width d_model={d_model}"
         )
     return experts, down.numel() // (experts * d_model)
@@ -134,44 +135,41 @@ def plan_for(model, family: Family) -> Plan:
         layer_module = layer._module
         planned = []
         for term in layer_terms(family, layer):
-            for path in (term.output.rsplit(".", 1)[0], term.projection, term.post_norm, term.outer_norm, term.scale,
-                         term.bias, term.stream_scale, term.stream_bias, term.shared, term.shared_gate, term.router,
-                         term.projection_bias, term.reads, term.then, term.hyper, term.stream_norm,
-                         term.stream_norm_after, term.output_gate, term.position_conv,
-                         term.projection_scale):
-                if path and path not in ("output", "input") and not has_path(layer, path):
+            for path in term.paths():  # every path field of the term and its records
+                if path not in ("output", "input") and not has_path(layer, path):
                     raise FamilyTableError(
                         f"family {family.name!r}: block {i} ({type(layer_module).__name__}) has no {path!r} "
                         f"(term {term.name!r}); the family table entry does not describe this model"
                     )
-            multiplier = scalar(term.multiplier, config, i)
+            split = term.split
+            multiplier = scalar(term.write.multiplier, config, i)
             parts = width = experts = expert_width = shared_width = 0
             routed_scale = shared_scale = 1.0
             transposed = False
-            if term.router is not None:  # grouped experts: weight [E, d_model, in]
-                module = module_at(layer, term.projection)._module
+            if isinstance(split, Routed):  # grouped experts: weight [E, d_model, in]
+                module = module_at(layer, split.projection)._module
                 experts, in_features = int(module.weight.shape[0]), int(module.weight.shape[-1])
-                top_k = int(module_at(layer, term.router)._module.top_k)
-                if term.split == "heads":
+                top_k = int(module_at(layer, split.router)._module.top_k)
+                if split.parts == "heads":
                     width = int(getattr(config, "kv_channels", None) or config.head_dim)
                     parts = top_k * in_features // width
                 else:
                     expert_width = in_features
-            elif term.split == "experts":
+            elif isinstance(split, Experts):
                 experts, expert_width = _experts_shape(family, i, layer, term, d_model)
-                if term.shared is not None:
-                    shared_width = _linear_shape(module_at(layer, term.shared)._module)[0]
-                layout = term.layout
+                if split.shared is not None:
+                    shared_width = _linear_shape(module_at(layer, split.shared)._module)[0]
+                layout = split.layout
                 routed_scale = 1.0 if layout.routed_scale is None else config_value(config, layout.routed_scale)
                 shared_scale = 1.0 if layout.shared_scale is None else config_value(config, layout.shared_scale)
-            elif term.split is not None and term.projection is not None:
-                module = module_at(layer, term.projection)._module
+            elif isinstance(split, (Heads, Neurons)):
+                module = module_at(layer, split.projection)._module
                 in_features, _, transposed = _linear_shape(module)
                 in_features *= int(getattr(module, "n_groups", 1))  # a grouped projection reads every group
-                if term.split == "heads":
+                if isinstance(split, Heads):
                     if in_features % num_heads:
                         raise FamilyTableError(
-                            f"family {family.name!r}: block {i}: {term.projection} reads {in_features} features, "
+                            f"family {family.name!r}: block {i}: {split.projection} reads {in_features} features, "
                             f"not a multiple of {num_heads} heads"
                         )
                     parts, width = num_heads, in_features // num_heads
@@ -180,8 +178,8 @@ def plan_for(model, family: Family) -> Plan:
             parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
             planned.append(
                 PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
-                            routed_scale, shared_scale, scalar(term.stream_multiplier, config, i),
-                            scalar(term.projection_multiplier, config, i), kind_of(term))
+                            routed_scale, shared_scale, scalar(term.stream.multiplier, config, i),
+                            scalar(getattr(split, "projection_multiplier", None), config, i), kind_of(term))
             )
         layers.append(tuple(planned))
     logit_scale = 1.0

@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 from ..args import Granularity, check_granularity
 from ..components import Component
 from ..errors import InputError
-from ..families import Family, Term
+from ..families import Family, Heads, Term
 
 Kind = Literal["block", "linear", "conv", "routed", "experts"]
 
@@ -53,7 +53,7 @@ class PlannedTerm:
 
     Attributes:
         term: the table's ``Term``.
-        multiplier: ``config[term.multiplier]`` as a float (1.0 when none).
+        multiplier: ``config[term.write.multiplier]`` as a float (1.0 when none).
         parts: heads / neurons split: how many pieces ``projection.input`` splits into.
         part_width: the width of one piece (``head_dim`` for heads, 1 for neurons).
         transposed: the projection stores its weight ``[in, out]`` (GPT-2's ``Conv1D``) rather than ``[out, in]``.
@@ -61,8 +61,8 @@ class PlannedTerm:
         shared_width: experts split: the shared expert's neurons (0: none).
         parallel: the sublayer reads the same stream as the term before it (``Term.parallel`` resolved).
         routed_scale, shared_scale: experts split: the layout's scales of the routed experts and the shared expert.
-        stream_multiplier, projection_multiplier: ``Term.stream_multiplier`` / ``Term.projection_multiplier``
-            resolved to floats (1.0 when none).
+        stream_multiplier, projection_multiplier: ``Term.stream.multiplier`` / the split's
+            ``projection_multiplier`` resolved to floats (1.0 when none).
         kind: how the in-trace recipe reads the term's parts, fixed here once (``trace.terms`` dispatches on it):
             ``"block"`` (never split), ``"linear"`` (heads / neurons through one projection), ``"conv"`` (the same
             under a position convolution), ``"routed"`` (grouped experts behind a router), ``"experts"`` (a fused
@@ -87,14 +87,14 @@ class PlannedTerm:
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
         ``"experts"`` (one component per expert) or ``"expert_neurons"`` (one per neuron of every expert)."""
-        split = self.term.split
-        if split == "heads" and by == "head" and self.parts:
+        term, split = self.term, self.term.split
+        if term.splits_heads and by == "head" and self.parts:
             return "heads"
-        if split == "heads" and by == "source" and self.parts and self.term.router is None:
-            return "sources" if self.term.values else "heads"
-        if split == "neurons" and by == "neuron" and self.parts:
+        if isinstance(split, Heads) and by == "source" and self.parts:  # not grouped heads behind a router
+            return "sources" if split.values else "heads"
+        if term.splits_neurons and by == "neuron" and self.parts:
             return "neurons"
-        if split == "experts" and self.experts:
+        if term.splits_experts and self.experts:
             return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
         return None
 

@@ -4,14 +4,14 @@ A head's write at position ``p`` is ``z_h[p] = sum_s A_h[p, s] v_h[s]``, linear 
 pattern ``A`` the model computed is read, so its part splits exactly over source positions ``s`` (the in-trace
 math is ``trace.kinds.sources``). This module decides, before any forward pass, whether the model can be split
 (its attention must return the pattern: eager attention; its family must say where the values are read,
-``Term.values`` and ``Term.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
+``Heads.values`` and ``Heads.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
 otherwise.
 
 How the pattern is read, per family: the model's own attention weights, the second output of the attention
 module, which transformers returns under ``attn_implementation="eager"`` (after soft-capping, sliding-window and
 padding masks, and without the sink column of attention-sink families, whose rows sum to less than 1: the missing
 mass belongs to no source). sdpa / flash attention return no pattern, so they are refused with a ``DLAError``
-saying how to load the model; no pattern is recomputed. Where the values are read (``Term.values``):
+saying how to load the model; no pattern is recomputed. Where the values are read (``Heads.values``):
 
 - ``v_proj``'s output: Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 1/2/3, SmolLM3, Apertus, GPT-J, Mixtral, Qwen2-MoE,
   OLMoE, GLM-4, EXAONE-4, Granite, Cohere, OPT, Phi, Doge; Gemma-4: ``v_norm``'s output (its KV-shared layers are
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..errors import DLAError, InputError
-from ..families import text_config
+from ..families import Heads, text_config
 from .build import has_path
 from .plan import Plan, Sources
 
@@ -51,27 +51,27 @@ def check(model, plan: Plan, layers: Sequence[int]) -> None:
     if not layers:
         raise DLAError(f"family {plan.family.name!r}: this model has no attention heads to split by source")
     for i in layers:
-        heads = [p for p in plan.layers[i] if p.term.split == "heads"]
+        heads = [p for p in plan.layers[i] if p.term.splits_heads]
         if not heads:
             raise InputError(f"block {i} of this {plan.family.name} model has no attention heads to split by source")
         for planned in heads:
-            term = planned.term
-            if term.router is not None or not term.values:
+            split = planned.term.split
+            if not isinstance(split, Heads) or not split.values:
                 raise DLAError(
                     f"family {plan.family.name!r}: by='source' is not supported: its attention "
-                    f"({term.projection}) has no value tensor in the family table (fused QKV, latent attention, a "
+                    f"({split.projection}) has no value tensor in the family table (fused QKV, latent attention, a "
                     "mixture of attention, or attention that never returns its pattern); use by='head'"
                 )
-            module = term.values.rsplit(".", 1)[0]
+            module = split.values.rsplit(".", 1)[0]
             if not any(has_path(layer, module) for layer in model.layers):
                 raise DLAError(
                     f"family {plan.family.name!r}: by='source' is not supported: no block has the value tensor the "
-                    f"family table names ({term.values}; latent or fused attention computes its values elsewhere); "
+                    f"family table names ({split.values}; latent or fused attention computes its values elsewhere); "
                     "use by='head'"
                 )
             if not has_path(model.layers[i], module):
                 raise DLAError(
-                    f"family {plan.family.name!r}: block {i} computes no values of its own ({term.values} is absent: "
+                    f"family {plan.family.name!r}: block {i} computes no values of its own ({split.values} is absent: "
                     "it reuses another block's keys and values); split other layers with "
                     "sources=dict(layers=[...])"
                 )
@@ -85,7 +85,7 @@ def check(model, plan: Plan, layers: Sequence[int]) -> None:
 
 def head_layers(plan: Plan) -> list[int]:
     """The blocks whose attention splits into heads."""
-    return [i for i, terms in enumerate(plan.layers) if any(p.term.split == "heads" and p.parts for p in terms)]
+    return [i for i, terms in enumerate(plan.layers) if any(p.term.splits_heads and p.parts for p in terms)]
 
 
 def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
@@ -123,7 +123,7 @@ def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attr
     if top is None and layers == head_layers(plan):
         return Sources(count)
     if top is None:
-        return Sources(count, frozenset((i, h) for i in layers for p in plan.layers[i] if p.term.split == "heads"
+        return Sources(count, frozenset((i, h) for i in layers for p in plan.layers[i] if p.term.splits_heads
                                         for h in range(p.parts)))
     ranked = []
     wanted = set(layers)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from ..families import Term, family_of, text_config
+from ..families import Heads, Routed, Term, family_of, text_config
 from ..math.frozen_norm import FrozenNorm, probe_norm
 from ..plan.build import layer_terms, module_at, scalar
 
@@ -81,15 +81,15 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
     """
     term = find_term(model, i, name)
     layer = model.layers[i]
-    value = read_site(layer, term.output, batch_size)
-    if term.clone:
+    value, write = read_site(layer, term.output, batch_size), term.write
+    if write.clone:
         value = value.clone()
-    if term.bias is not None:
-        value = value + module_at(layer, term.bias)
-    if term.scale is not None:
-        value = value * module_at(layer, term.scale)
-    if term.multiplier is not None:
-        value = value * scalar(term.multiplier, text_config(model), i)
+    if write.bias is not None:
+        value = value + module_at(layer, write.bias)
+    if write.scale is not None:
+        value = value * module_at(layer, write.scale)
+    if write.multiplier is not None:
+        value = value * scalar(write.multiplier, text_config(model), i)
     return value
 
 
@@ -122,22 +122,22 @@ def attention_head_outputs(model, i: int) -> torch.Tensor:
     ``attribute(..., by="head")``.
     """
     term = find_term(model, i, "attn")
-    if term.router is not None:
+    if isinstance(term.split, Routed):
         raise InputError(
             f"block {i}'s attention is a mixture of attention: each token's heads live in the experts it was routed "
             "to, grouped by expert, so there is no [batch, pos, heads, head_dim] tensor; use attribute(by='head')"
         )
-    if term.split != "heads":
+    if not isinstance(term.split, Heads):
         raise InputError(
             f"block {i}'s attention does not split into heads in this family ({family_of(model).name}): "
             "its write is read as one term (see its notes in the family table, dla_recipes/families/)"
         )
     heads = int(getattr(model, "num_heads", None) or text_config(model).num_attention_heads)
-    value = read_site(model.layers[i], f"{term.projection}.input")
+    value = read_site(model.layers[i], f"{term.split.projection}.input")
     return value.flatten(2).unflatten(-1, (heads, -1))
 
 
 def neuron_activations(model, i: int, batch_size: int | None = None) -> torch.Tensor:
     """``[batch, pos, d_mlp]``: block ``i``'s MLP neurons, the input of its down projection (see ``term_output``)."""
     term = find_term(model, i, "mlp")
-    return read_site(model.layers[i], f"{term.projection}.input", batch_size)
+    return read_site(model.layers[i], f"{getattr(term.split, 'projection', None)}.input", batch_size)

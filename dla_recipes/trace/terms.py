@@ -40,7 +40,8 @@ class TermReads:
         value: ``[batch, d_model]`` the term's write, read whole (the term is not split at this granularity).
         parts: the term's kind's reads record (``LinearReads``, ``SourceReads``, ...) when it is split.
         hyper: ``(post [batch, streams], comb [batch, streams, streams] or None)`` on parallel-stream families.
-        post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term``).
+        post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term.write.post_norm``,
+            ``Term.stream.norm``, ``Term.stream.norm_after``).
     """
 
     value: torch.Tensor | None = None
@@ -77,20 +78,20 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
             term = planned.term
             constant: torch.Tensor | float = 0.0
             after: torch.Tensor | float = 0.0  # a norm right after the add: its bias, then its static part
-            if term.stream_norm_after is not None:
-                probe = probe_norm(module_at(layer, term.stream_norm_after), v.shape[-1]).to(v.device)
+            if term.stream.norm_after is not None:
+                probe = probe_norm(module_at(layer, term.stream.norm_after), v.shape[-1]).to(v.device)
                 after = dot(v, probe.bias.to(v.device))
                 v = probe.center(probe.gain.to(v.device) * v)
-            if term.stream_scale is not None:
-                v_before = v * param(layer, term.stream_scale).to(v.device)
+            if term.stream.scale is not None:
+                v_before = v * param(layer, term.stream.scale).to(v.device)
             else:
                 v_before = v
             if planned.stream_multiplier != 1.0:
                 v_before = v_before * planned.stream_multiplier
-            if term.stream_bias is not None:
-                constant = dot(v_before, param(layer, term.stream_bias))
-            if term.stream_norm is not None:  # its static part; its scale is read in the trace (decompose)
-                probe = probe_norm(module_at(layer, term.stream_norm), v.shape[-1]).to(v.device)
+            if term.stream.bias is not None:
+                constant = dot(v_before, param(layer, term.stream.bias))
+            if term.stream.norm is not None:  # its static part; its scale is read in the trace (decompose)
+                probe = probe_norm(module_at(layer, term.stream.norm), v.shape[-1]).to(v.device)
                 constant = constant + dot(v_before, probe.bias.to(v_before.device))
                 v_before = probe.center(probe.gain.to(v_before.device) * v_before)
             entries.append((v, constant, after))
@@ -101,11 +102,11 @@ def term_directions(model, plan: Plan, direction: torch.Tensor, stop: Stop | Non
 
 def write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
     """Pull ``v`` back through the term's multiplier and affine merge: ``(direction on read(output), constant)``."""
-    term = planned.term
+    write = planned.term.write
     u = v * planned.multiplier if planned.multiplier != 1.0 else v
-    if term.scale is not None:
-        u = u * param(layer, term.scale).to(u.device)
-    constant = dot(u, param(layer, term.bias)) if term.bias is not None else 0.0
+    if write.scale is not None:
+        u = u * param(layer, write.scale).to(u.device)
+    constant = dot(u, param(layer, write.bias)) if write.bias is not None else 0.0
     return u, constant
 
 
@@ -116,8 +117,8 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, ow
     low-precision rounding, for the self-check)."""
     term, batch = planned.term, rows.shape[0]
     reads = TermReads()
-    if term.stream_norm is not None:  # the norm on the stream runs before this term's sublayer
-        reads.stream_norm = frozen_at(module_at(layer, term.stream_norm), rows, positions, batch)
+    if term.stream.norm is not None:  # the norm on the stream runs before this term's sublayer
+        reads.stream_norm = frozen_at(module_at(layer, term.stream.norm), rows, positions, batch)
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
         comb = at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
@@ -126,10 +127,10 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, ow
         reads.value = at(read_site(layer, term.output, batch), rows, positions)
     else:
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions, own)
-        if term.post_norm is not None:
-            reads.post_norm = frozen_at(module_at(layer, term.post_norm), rows, positions, batch)
-    if term.stream_norm_after is not None:  # ... and a norm right after the add, after it
-        reads.stream_norm_after = frozen_at(module_at(layer, term.stream_norm_after), rows, positions, batch)
+        if term.write.post_norm is not None:
+            reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), rows, positions, batch)
+    if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
+        reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), rows, positions, batch)
     return reads
 
 
@@ -139,7 +140,6 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     block level), then its rest, along ``v`` on the stream; ``rounding`` is a split projection's ``(gap, squared
     noise)`` ``[batch]`` in low precision, else None. ``split``: for ``mode="sources"``, ``(heads split, offsets
     [batch], count)``."""
-    term = planned.term
     u, rest = write_direction(layer, planned, v)
     if outer is not None:
         if outer_bias:
@@ -152,8 +152,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         u = reads.post_norm.transpose(u)
     if planned.projection_multiplier != 1.0:
         u = u * planned.projection_multiplier
-    if term.projection_scale is not None:
-        u = u * param(layer, term.projection_scale).to(u.device)
+    projection_scale = getattr(planned.term.split, "projection_scale", None)  # Heads / Neurons only
+    if projection_scale is not None:
+        u = u * param(layer, projection_scale).to(u.device)
     parts, rest, rounding = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
     rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
     return torch.cat([parts, rest.unsqueeze(-1)], -1), rounding
@@ -173,7 +174,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     modes = [planned.mode(by) for planned in terms]
     modes = ["heads" if m == "sources" and (split is None or not any(split[0](p.parts))) else m
              for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
-    last_user = {planned.term.outer_norm: k for k, planned in enumerate(terms) if planned.term.outer_norm}
+    last_user = {planned.term.write.outer_norm: k for k, planned in enumerate(terms) if planned.term.write.outer_norm}
     reads, outers = [], {}
     for k, planned in enumerate(terms):
         reads.append(read_term(layer, planned, modes[k], rows, positions, own=splits is not None))
@@ -185,7 +186,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     fit_errors.extend(r.parts.pattern_error for r in reads if isinstance(r.parts, sources.SourceReads))
     scores, biased = [], set()
     for k, planned in enumerate(terms):
-        path = planned.term.outer_norm
+        path = planned.term.write.outer_norm
         v, stream_constant, after_constant = directions[k]
         score, rounding = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
                                      path is not None and path not in biased,

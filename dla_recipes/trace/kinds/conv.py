@@ -1,6 +1,6 @@
 """Term kind ``"conv"``: heads or neurons whose sublayer output then passes through a causal position convolution.
 
-The module at ``Term.position_conv`` computes ``x + causal_depthwise_conv(mask * x)`` over positions (Inkling's short
+The module at ``position_conv`` (``Heads`` / ``Neurons``) computes ``x + causal_depthwise_conv(mask * x)`` over positions (Inkling's short
 convolutions), so the term at position ``p`` is made of the projection's inputs at ``p - K + 1 ... p``: the direction
 at lag ``l`` is ``u * (1[l = 0] + w[:, K - 1 - l] * mask_l)``, pulled back through the projection and read along the
 projection's input at ``p - l``.
@@ -35,9 +35,9 @@ class ConvReads:
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> ConvReads:
     """Read the projection's inputs at every lag of the attributed positions, and the convolution's mask."""
-    term = planned.term
-    full = read_site(module_at(layer, term.projection), "input", rows.shape[0])  # [batch, pos, ...]
-    conv = module_at(layer, term.position_conv)
+    split = planned.term.split
+    full = read_site(module_at(layer, split.projection), "input", rows.shape[0])  # [batch, pos, ...]
+    conv = module_at(layer, split.position_conv)
     width = int(conv.conv1d.weight.shape[-1])
     lags = positions.to(full.device)[:, None] - torch.arange(width, device=full.device)[None, :]  # [batch, K]
     valid, q = lags >= 0, lags.clamp(min=0)
@@ -50,13 +50,13 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = Tr
 def score(layer, planned: PlannedTerm, mode: str, reads: ConvReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u`` over its lags; the
     projection's bias (at every lag) goes to ``rest``."""
-    conv = module_at(layer, planned.term.position_conv)
+    conv = module_at(layer, planned.term.split.position_conv)
     weight = conv.conv1d.weight.float().squeeze(1).to(u.device)  # [d, K]
     batch, width = reads.mask.shape
     coefficients = weight.flip(-1).T[None] * reads.mask.to(u.device)[..., None]  # [batch, K, d]
     coefficients[:, 0] += 1.0  # the convolution's input is added too (its residual)
     lagged = u[:, None] * coefficients * reads.valid.to(u.device)[..., None]
-    pulled, bias = linear_pullback(module_at(layer, planned.term.projection), lagged.flatten(0, 1), planned.transposed)
+    pulled, bias = linear_pullback(module_at(layer, planned.term.split.projection), lagged.flatten(0, 1), planned.transposed)
     per_input = (reads.inputs * pulled.view(batch, width, -1).to(reads.inputs.device)).sum(1)
     parts = per_input.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
     constant = bias.view(batch, width).sum(1) if isinstance(bias, torch.Tensor) else 0.0

@@ -3,7 +3,7 @@
 Each routed expert's neurons are recomputed, only for the experts that fired, from the experts module's inputs
 (hidden rows, ``top_k_index``, ``top_k_weights``) and weights as the term's ``ExpertsLayout`` describes them (fused
 or separate gate/up, ``[out, in]`` or ``[in, out]``, biases, the module's own gating function, router-scaled
-inputs); expert ``e`` writes ``w * (down[e] @ act + down_bias[e])``. A dense shared expert (``Term.shared``, maybe
+inputs); expert ``e`` writes ``w * (down[e] @ act + down_bias[e])``. A dense shared expert (``Experts.shared``, maybe
 gated) is a linear split of its own. No ``[batch, d_mlp, d_model]`` tensor is ever built.
 """
 
@@ -40,16 +40,16 @@ class ExpertReads:
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> ExpertReads:
     """Read the routing and, before or after it as the model runs them, the shared expert and its gate."""
-    term, batch = planned.term, rows.shape[0]
+    moe, batch = planned.term.split, rows.shape[0]
     shared = None
-    if term.shared is not None and term.shared_first:
-        shared = at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
+    if moe.shared is not None and moe.shared_first:
+        shared = at(read_site(module_at(layer, moe.shared), "input", batch), rows, positions)
     reads = ExpertReads(*read_routing(layer, planned, rows, positions))
-    if term.shared is not None and not term.shared_first:
-        shared = at(read_site(module_at(layer, term.shared), "input", batch), rows, positions)
+    if moe.shared is not None and not moe.shared_first:
+        shared = at(read_site(module_at(layer, moe.shared), "input", batch), rows, positions)
     reads.shared = shared
-    if term.shared_gate is not None:
-        reads.shared_gate = torch.sigmoid(at(read_site(module_at(layer, term.shared_gate), "output", batch),
+    if moe.shared_gate is not None:
+        reads.shared_gate = torch.sigmoid(at(read_site(module_at(layer, moe.shared_gate), "output", batch),
                                              rows, positions))
     return reads
 
@@ -60,12 +60,12 @@ def read_routing(layer, planned: PlannedTerm, rows, positions) -> tuple:
     Returns ``(hidden, index, weights)``: ``hidden`` ``[batch, d]`` (or ``[batch, k, d]``, one row per slot, when the
     inputs are router-scaled), ``index [batch, k]`` (``E``: no expert) and ``weights [batch, k]``.
     """
-    term, batch = planned.term, rows.shape[0]
-    args, kwargs = module_at(layer, term.projection).inputs
+    moe, batch = planned.term.split, rows.shape[0]
+    args, kwargs = module_at(layer, moe.projection).inputs
     names = ("hidden_states", "top_k_index", "top_k_weights")
     values = list(args) + [kwargs[k] for k in names if k in kwargs]
     hidden = values[0]
-    if term.layout.scaled_inputs:  # every expert on every token, each row pre-multiplied by its routing score
+    if moe.layout.scaled_inputs:  # every expert on every token, each row pre-multiplied by its routing score
         hidden = hidden.reshape(planned.experts, -1, hidden.shape[-1])  # [E, tokens, d]
         tokens = rows.to(hidden.device) * (hidden.shape[1] // batch) + positions.to(hidden.device)
         routed = hidden[:, tokens].transpose(0, 1).float()  # [batch, E, d]
@@ -74,7 +74,7 @@ def read_routing(layer, planned: PlannedTerm, rows, positions) -> tuple:
         return routed, index, torch.ones(index.shape, device=routed.device)
     if len(values) < 3:
         raise FamilyTableError(
-            f"the experts module {term.projection} was called with {len(values)} input(s), not (hidden, top_k_index, "
+            f"the experts module {moe.projection} was called with {len(values)} input(s), not (hidden, top_k_index, "
             "top_k_weights): its family table entry's ExpertsLayout does not describe it (router-scaled inputs?)"
         )
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, d] (DBRX passes [batch, pos, d])
@@ -114,8 +114,9 @@ def score(layer, planned: PlannedTerm, mode: str, reads: ExpertReads, u: torch.T
     weights, as the term's ``ExpertsLayout`` describes them; the expert writes ``w * (down[e] @ act + down_bias[e])``.
     A down bias belongs to its expert's part (``by="expert"``) or to the term's rest (``by="neuron"``).
     """
-    term, layout = planned.term, planned.term.layout
-    experts = module_at(layer, term.projection)
+    moe = planned.term.split
+    layout = moe.layout
+    experts = module_at(layer, moe.projection)
     down = module_at(experts, layout.down)
     count = planned.experts
     v = u.to(down.device) * planned.routed_scale if planned.routed_scale != 1.0 else u.to(down.device)
@@ -139,9 +140,9 @@ def score(layer, planned: PlannedTerm, mode: str, reads: ExpertReads, u: torch.T
         parts, own_rest = [neurons.sum(-1) + biases], 0.0
     else:
         parts, own_rest = [neurons.flatten(1)], biases.sum(-1)
-    if term.shared is not None:
+    if moe.shared is not None:
         s = u * planned.shared_scale if planned.shared_scale != 1.0 else u
-        pulled, bias = linear_pullback(module_at(layer, term.shared), s, transposed=False)
+        pulled, bias = linear_pullback(module_at(layer, moe.shared), s, transposed=False)
         gate = reads.shared_gate.to(pulled.device) if reads.shared_gate is not None else 1.0
         shared = reads.shared.to(pulled.device) * pulled * gate
         own_rest = own_rest + bias * (gate[:, 0] if reads.shared_gate is not None else 1.0)

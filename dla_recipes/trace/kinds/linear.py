@@ -1,7 +1,7 @@
 """Term kind ``"linear"``: heads or neurons through one output projection (``nn.Linear`` or GPT-2's ``Conv1D``).
 
-The term writes ``projection(inputs)`` (then maybe a second map, ``Term.then``; maybe gated channel by channel,
-``Term.output_gate``), so its part along a direction ``u`` on its write splits exactly: pull ``u`` back through the
+The term writes ``projection(inputs)`` (then maybe a second map, ``then``; maybe gated channel by channel,
+``Neurons.output_gate``), so its part along a direction ``u`` on its write splits exactly: pull ``u`` back through the
 projection onto its input, ``W^T u`` ``[batch, heads * head_dim]`` or ``[batch, d_mlp]``, and multiply by the inputs
 the model fed it; a head's part is the sum over its ``head_dim`` slice. The projection's bias goes to the term's rest.
 In low precision the projection's own (rounded) output is read too, for the self-check's bound (``rounding``).
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...families import Neurons
 from ...math.linalg import linear_pullback
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
@@ -26,7 +27,7 @@ class LinearReads:
     Attributes:
         inputs: ``[batch, in_features]`` the projection's input (heads flattened).
         own: ``[batch, out_features]`` the projection's own output (low precision only; else None).
-        output_gate: ``[batch, out_features]`` ``sigmoid(gate)`` multiplying the output (``Term.output_gate``).
+        output_gate: ``[batch, out_features]`` ``sigmoid(gate)`` multiplying the output (``Neurons.output_gate``).
     """
 
     inputs: torch.Tensor
@@ -36,27 +37,28 @@ class LinearReads:
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> LinearReads:
     """Read the projection's input (and, with ``own``, its output; then the output gate) at the positions."""
-    term, batch = planned.term, rows.shape[0]
-    projection = module_at(layer, term.projection)
+    split, batch = planned.term.split, rows.shape[0]
+    projection = module_at(layer, split.projection)
     reads = LinearReads(at(read_site(projection, "input", batch), rows, positions).flatten(1))
-    if own and term.then is None:  # the projection's own (low-precision) output: its parts' rounding
+    if own and split.then is None:  # the projection's own (low-precision) output: its parts' rounding
         reads.own = at(read_site(projection, "output", batch), rows, positions).flatten(1)
-    if term.output_gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
-        reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, term.output_gate), "output", batch),
+    gate = split.output_gate if isinstance(split, Neurons) else None
+    if gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
+        reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, gate), "output", batch),
                                              rows, positions))
     return reads
 
 
 def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: torch.Tensor | None = None):
-    """``(pulled [batch, in_features], rest, bias)``: ``u`` on the term's write pulled back through ``Term.then``
+    """``(pulled [batch, in_features], rest, bias)``: ``u`` on the term's write pulled back through the split's ``then``
     (its bias added to ``rest``), the output gate and the projection (its bias returned)."""
-    term = planned.term
-    if term.then is not None:  # a second map after the projection: pull u back through it first
-        u, then_bias = linear_pullback(module_at(layer, term.then), u, False)
+    split = planned.term.split
+    if split.then is not None:  # a second map after the projection: pull u back through it first
+        u, then_bias = linear_pullback(module_at(layer, split.then), u, False)
         rest = rest + then_bias
     if output_gate is not None:
         u = u * output_gate.to(u.device)
-    pulled, bias = linear_pullback(module_at(layer, term.projection), u, planned.transposed)
+    pulled, bias = linear_pullback(module_at(layer, split.projection), u, planned.transposed)
     return pulled, u, rest, bias
 
 

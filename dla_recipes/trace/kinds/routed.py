@@ -3,7 +3,7 @@
 The router's output is ``(index_sorted_experts, batch_index, batch_gates, expert_size, logits)`` and the grouped
 output projection's input holds each routed slot's rows grouped by expert (``weight [E, d_model, in]``). A routed
 slot's part is its gate times its row times the expert's output columns read along ``u``; slot ``s`` owns heads
-``s * in / head_dim ...`` (``split="heads"``), or the part goes to its expert (``by="expert"``) or expert neurons.
+``s * in / head_dim ...`` (``Routed(parts="heads")``), or the part goes to its expert (``by="expert"``) or expert neurons.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class RoutedReads:
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> RoutedReads:
     """The attributed tokens' rows of a grouped-experts projection's input, with their experts, gates and slots."""
-    term = planned.term
-    router = module_at(layer, term.router)
+    grouped_experts = planned.term.split
+    router = module_at(layer, grouped_experts.router)
     sorted_experts, batch_index, gates, _, _ = router.output
-    grouped, sizes = module_at(layer, term.projection).inputs[0][:2]  # (rows grouped by expert, rows per expert)
+    grouped, sizes = module_at(layer, grouped_experts.projection).inputs[0][:2]  # (rows grouped by expert, rows per expert)
     top_k = int(router._module.top_k)
     seq = batch_index.numel() // (rows.shape[0] * top_k)
     tokens = rows.to(batch_index.device) * seq + positions.to(batch_index.device)
@@ -50,7 +50,7 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = Tr
 
 def parts_of(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torch.Tensor) -> torch.Tensor:
     """``[batch, parts]`` for grouped experts: per head of each routed slot, or per expert / expert neuron."""
-    weight = module_at(layer, planned.term.projection).weight  # [E, d_model, in]
+    weight = module_at(layer, planned.term.split.projection).weight  # [E, d_model, in]
     batch, top_k, width = reads.routed.shape
     per_input = torch.zeros(batch, top_k, width, device=weight.device)
     u, expert = u.to(weight.device), reads.expert.to(weight.device)
@@ -75,6 +75,6 @@ def parts_of(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torc
 def score(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``; a bias added once after the projection goes to ``rest``."""
     parts = parts_of(layer, planned, mode, reads, u)
-    term = planned.term
-    rest = rest + dot(u, param(layer, term.projection_bias)) if term.projection_bias else rest
+    bias = planned.term.split.projection_bias
+    rest = rest + dot(u, param(layer, bias)) if bias else rest
     return parts, rest, None

@@ -39,20 +39,20 @@ class SourceReads:
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> SourceReads:
     """Read the values, the heads and the pattern; rebuild the heads from them (``SourceReads.pattern_error``)."""
-    term, batch = planned.term, rows.shape[0]
-    values = read_site(layer, term.values, batch)
+    heads, batch = planned.term.split, rows.shape[0]
+    values = read_site(layer, heads.values, batch)
     values = values[rows.to(values.device)].float()  # every position of the attributed rows
-    inputs = at(read_site(module_at(layer, term.projection), "input", batch), rows, positions).flatten(1)
-    attention = module_at(layer, term.projection.rsplit(".", 1)[0]).output
+    inputs = at(read_site(module_at(layer, heads.projection), "input", batch), rows, positions).flatten(1)
+    attention = module_at(layer, heads.projection.rsplit(".", 1)[0]).output
     weights = attention[1] if isinstance(attention, tuple) and len(attention) > 1 else None
     if weights is None:
         raise DLAError(
-            f"by='source' needs the attention pattern, and this model's attention ({planned.term.projection}'s module) "
+            f"by='source' needs the attention pattern, and this model's attention ({heads.projection}'s module) "
             "returns none: its attention implementation is not eager. Load the model with "
             "dla_recipes.load(..., attn_implementation='eager')"
         )
     pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
-    values = values_of(values, term.values_layout, planned.parts, planned.part_width)
+    values = values_of(values, heads.values_layout, planned.parts, planned.part_width)
     rebuilt = grouped_sum(pattern, values.to(pattern.device)).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
     return SourceReads(values, inputs, pattern, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale))
@@ -60,7 +60,7 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = Tr
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
     """``[batch, pos, kv_heads, head_dim]``: the values in a value tensor or a fused projection's output
-    (``Term.values_layout``)."""
+    (``Heads.values_layout``)."""
     batch, pos = fused.shape[:2]
     fused = fused.reshape(batch, pos, -1)
     if layout == "qkv":  # [queries | keys | values], keys and values of equal width
