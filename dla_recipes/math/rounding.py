@@ -7,7 +7,26 @@ Tensors in, tensors out.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+
+@dataclass
+class Rounding:
+    """What the model's own rounding is bounded with, collected in the trace (unscaled, each ``[batch]``).
+
+    Attributes:
+        split_gaps: per split term (heads, neurons), its projection's own output read along the term's direction
+            minus its parts and bias: the rounding of the projection's low-precision output.
+        split_noise: per split term, ``sum_i (o_i u_i)^2`` of those outputs ``o``: the squared scale of that rounding.
+        stream_noise: after each whole block, the stream around its adds, ``max(|before|, |after|)`` per channel read
+            along the direction there, squared, times the number of adds.
+    """
+
+    split_gaps: list = field(default_factory=list)
+    split_noise: list = field(default_factory=list)
+    stream_noise: list = field(default_factory=list)
 
 
 def stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -21,13 +40,13 @@ def binade(x: torch.Tensor) -> torch.Tensor:
     mantissa, exponent = torch.frexp(x.float())
     return torch.where(x == 0, torch.zeros_like(mantissa), torch.ldexp(torch.ones_like(mantissa), exponent - 1))
 
-def rounding_scales(stream, direction, scale, output, head, splits, size, scores, extra_adds: int = 0,
-                    computed_in: torch.dtype = torch.float32) -> dict:
+def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
+                    extra_adds: int = 0, computed_in: torch.dtype = torch.float32) -> dict:
     """The ``Readout`` fields the self-check bounds the model's own rounding with (all ``[batch]``, on the CPU).
 
     ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
-    the norm's output read along ``head``; ``splits`` the split terms' unscaled ``(gap, squared noise)``; ``size``
-    the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
+    the norm's output read along ``head``; ``rounding`` what the trace collected (``Rounding``; None in float32);
+    ``size`` the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
     ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with ``stream``;
     ``computed_in`` the dtype the model computed in (``unit_roundoff``).
     """
@@ -36,10 +55,10 @@ def rounding_scales(stream, direction, scale, output, head, splits, size, scores
 
     scale = scale.to(stream.device)
     zero = torch.zeros(stream.shape[0], device=stream.device)
-    splits = splits or []
-    gap = sum((e[1].to(stream.device) for e in splits if e[0] == "split"), zero) * scale
-    noise = sum((e[2].to(stream.device) for e in splits if e[0] == "split"), zero).sqrt() * scale.abs()
-    adds = sum((e[1].to(stream.device) for e in splits if e[0] == "stream"), zero)
+    rounding = rounding or Rounding()
+    gap = sum((g.to(stream.device) for g in rounding.split_gaps), zero) * scale
+    noise = sum((n.to(stream.device) for n in rounding.split_noise), zero).sqrt() * scale.abs()
+    adds = sum((n.to(stream.device) for n in rounding.stream_noise), zero)
     adds = adds + extra_adds * norm2(stream, direction).to(adds.device) ** 2  # adds after the last whole block
     finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
     return {

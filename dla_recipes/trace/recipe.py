@@ -40,9 +40,10 @@ import torch
 from ..args import Granularity, check_granularity
 from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from ..math.linalg import dot
-from ..math.rounding import binade, rounding_scales, stream_sumsq
+from ..math.rounding import Rounding, binade, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
+from .kinds.sources import SourceSplit
 from .readers import at, layer_input, layer_output, read_site
 from .readout import Readout
 from .terms import layer_scores, term_directions
@@ -79,17 +80,16 @@ def scaled(scores: list, scale: torch.Tensor) -> list:
 
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
               stop: Stop | None = None, sources: Sources | None = None,
-              offsets: torch.Tensor | None = None, splits: list | None = None) -> tuple[torch.Tensor, list[float]]:
+              offsets: torch.Tensor | None = None,
+              rounding: Rounding | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
     each prompt's own tokens start in the padded sequence.
 
     Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
-    ``splits`` (a list) collects what the model's own rounding is bounded with, unscaled: the split terms'
-    ``("split", gap, squared noise)`` (see ``layer_scores``) and, after each whole block, ``("stream", squared
-    noise)``: the stream around the block's adds, ``max(|before|, |after|)`` per channel, read along the direction
-    there, squared, times the number of adds.
+    ``rounding`` (low precision only) collects what the model's own rounding is bounded with, unscaled: each split
+    term's projection gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``).
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -100,13 +100,11 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     carried = [None]  # parallel streams: each score group's weight on every stream [batch, streams]
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
-    previous = embed  # the stream before the block (its rounding bound, ``splits``)
+    previous = embed  # the stream before the block (its rounding bound, ``rounding``)
     for i, terms in enumerate(plan.terms_before(stop)):
-        split = None
-        if by == "source":
-            split = (lambda heads, i=i: sources.split_heads(i, heads), offsets, sources.count)
+        split = SourceSplit(sources, i, offsets) if by == "source" else None
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
-                                                        fit_errors, split, splits):
+                                                        fit_errors, split, rounding):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -118,9 +116,9 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
                 scores = scaled(scores, after[0])
                 scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
-        if splits is not None and per_layer[i] and (stop is None or i < stop[0]):
+        if rounding is not None and per_layer[i] and (stop is None or i < stop[0]):
             stream_after = at(read_site(model.layers[i], "output"), rows, positions)
-            splits.append(("stream", len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0])))
+            rounding.stream_noise.append(len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0]))
             previous = stream_after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
@@ -157,8 +155,8 @@ def direct_logit_attribution(
         probe, direction, constant = final_direction(model, plan, targets, contrasts)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        splits: list | None = [] if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
-        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, splits=splits)
+        rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
+        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding)
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
@@ -196,7 +194,7 @@ def direct_logit_attribution(
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=final.scale.cpu(),
-            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, splits, size, scores,
+            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
                               computed_in=model.lm_head.weight.dtype),
         )
 
@@ -225,9 +223,9 @@ def direction_attribution(
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        splits: list | None = [] if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
+        rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         pulled = probe.center(probe.gain * v)
-        scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, splits=splits)
+        scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, rounding=rounding)
         stream = at(read_site(norm, "input", positions.shape[0]), rows, positions)
         output = at(read_site(norm, "output", positions.shape[0]), rows, positions)
         frozen = probe.freeze(stream, output)
@@ -241,7 +239,7 @@ def direction_attribution(
             head_error=torch.zeros(()),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=frozen.scale.cpu(),
-            **rounding_scales(stream, pulled, frozen.scale, output, v, splits, 0.0, scores,
+            **rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
                               len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
                               computed_in=model.lm_head.weight.dtype),
         )

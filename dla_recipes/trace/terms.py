@@ -18,6 +18,7 @@ import torch
 from ..args import Granularity
 from ..math.frozen_norm import FrozenNorm, probe_norm
 from ..math.linalg import dot
+from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .kinds import conv, experts, linear, routed, sources
@@ -135,11 +136,11 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, ow
 
 
 def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, v: torch.Tensor,
-               outer: FrozenNorm | None, outer_bias: bool, split=None):
+               outer: FrozenNorm | None, outer_bias: bool, split: sources.SourceSplit | None = None):
     """``(scores [batch, parts + 1], rounding)``: the term's parts (heads, neurons, experts, head sources; none at
     block level), then its rest, along ``v`` on the stream; ``rounding`` is a split projection's ``(gap, squared
-    noise)`` ``[batch]`` in low precision, else None. ``split``: for ``mode="sources"``, ``(heads split, offsets
-    [batch], count)``."""
+    noise)`` ``[batch]`` in low precision, else None. ``split``: for ``mode="sources"``, the block's
+    ``SourceSplit``."""
     u, rest = write_direction(layer, planned, v)
     if outer is not None:
         if outer_bias:
@@ -161,23 +162,23 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
-                 split=None, splits: list | None = None):
+                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
-    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split`` (``by="source"``):
-    ``(heads -> which heads are split, offsets [batch], source count)``. ``splits`` collects each split term's
-    ``("split", rounding gap [batch], squared noise [batch])`` (``Readout.split_gap``).
+    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split``: the block's ``SourceSplit``
+    (``by="source"``). ``rounding`` (low precision only) collects each split term's projection rounding gap and
+    squared noise (``Readout.split_gap``).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
     modes = [planned.mode(by) for planned in terms]
-    modes = ["heads" if m == "sources" and (split is None or not any(split[0](p.parts))) else m
+    modes = ["heads" if m == "sources" and (split is None or not any(split.heads(p.parts))) else m
              for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
     last_user = {planned.term.write.outer_norm: k for k, planned in enumerate(terms) if planned.term.write.outer_norm}
     reads, outers = [], {}
     for k, planned in enumerate(terms):
-        reads.append(read_term(layer, planned, modes[k], rows, positions, own=splits is not None))
+        reads.append(read_term(layer, planned, modes[k], rows, positions, own=rounding is not None))
         for path, last in last_user.items():
             if last == k:
                 outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
@@ -188,15 +189,15 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     for k, planned in enumerate(terms):
         path = planned.term.write.outer_norm
         v, stream_constant, after_constant = directions[k]
-        score, rounding = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
-                                     path is not None and path not in biased,
-                                     None if split is None else (split[0](planned.parts),) + split[1:])
+        score, gap = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
+                                path is not None and path not in biased, split)
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
         before, after = reads[k].stream_norm, reads[k].stream_norm_after
         scores.append((score, reads[k].hyper, before.scale if before is not None else None,
                        (after.scale, after_constant) if after is not None else None))
-        if splits is not None and rounding is not None:
-            splits.append(("split", *rounding))
+        if rounding is not None and gap is not None:
+            rounding.split_gaps.append(gap[0])
+            rounding.split_noise.append(gap[1])
     return scores

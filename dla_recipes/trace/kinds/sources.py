@@ -15,9 +15,23 @@ import torch
 
 from ...errors import DLAError
 from ...plan.build import module_at
-from ...plan.plan import PlannedTerm
+from ...plan.plan import PlannedTerm, Sources
 from ..readers import at, read_site
 from .linear import pull_back
+
+
+@dataclass(frozen=True)
+class SourceSplit:
+    """``by="source"`` in one block: the plan's ``Sources`` (which heads split, into how many sources), the block,
+    and ``offsets`` ``[batch]``: where each prompt's own tokens start in the padded sequence."""
+
+    sources: Sources
+    layer: int
+    offsets: torch.Tensor
+
+    def heads(self, count: int) -> tuple[bool, ...]:
+        """Which of the block's ``count`` heads are split by source."""
+        return self.sources.split_heads(self.layer, count)
 
 
 @dataclass
@@ -78,14 +92,14 @@ def grouped_sum(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bvgk,bkvd->bvgd", grouped, values[:, :keys]).reshape(batch, heads, -1)
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split):
+def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split: SourceSplit):
     """``(parts [batch, parts], rest, None)``: each split head's part per own source position, the others whole.
 
-    ``split`` is ``(which heads are split, offsets [batch], count)``: source ``s`` of a prompt is padded position
-    ``offsets[b] + s`` (a source past the padded length is zero), ``count`` sources per split head.
+    Source ``s`` of a prompt is padded position ``split.offsets[b] + s`` (a source past the padded length is zero),
+    ``split.sources.count`` sources per split head.
     """
     pulled, _, rest, bias = pull_back(layer, planned, u, rest)
-    heads_split, offsets, count = split
+    heads_split, offsets, count = split.heads(planned.parts), split.offsets, split.sources.count
     heads, width = planned.parts, planned.part_width
     pattern, values = reads.pattern, reads.values.to(reads.pattern.device)
     u = pulled.to(pattern.device).view(-1, heads, width)
