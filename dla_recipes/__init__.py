@@ -16,6 +16,8 @@ The face is the verbs and their types: ``load``, ``attribute``, ``attribute_dire
 must come before the first ``import nnterp``.
 """
 
+import sys
+
 from . import (
     _compat,  # noqa: F401  (must run before anything imports nnterp)
     families,
@@ -41,6 +43,11 @@ from .loading.load import load
 from .present import plots
 from .present.attribution import Attribution
 from .transport.remote import RemoteBatchError
+
+# The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
+# `import dla_recipes.plots`, `from dla_recipes.models import default_model_path`.
+sys.modules[f"{__name__}.plots"] = plots
+sys.modules[f"{__name__}.models"] = models
 
 __all__ = [
     "Attribution",
