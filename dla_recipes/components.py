@@ -3,11 +3,17 @@
 The plan lists them (``Plan.components(by)``), the result carries them (``Attribution.components``), and every view
 of the result (``blocks``, ``heads``, ``grid``, ``sources``, the plots) reads them; the labels (``"L3.H5"``) are
 derived from them, and ``parse_label`` reads one back (for an ``Attribution`` built by hand from labels).
+
+``Components`` holds a plan's components as runs (one per split term: its heads, its neurons, one head's sources)
+and makes each ``Component`` only when it is read: ``by="neuron"`` on a large model has ~10^5-10^6 columns, and
+neither they nor their labels should cost more than the attribution.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 _LABEL = re.compile(r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+))?|N(\d+)|(\w+))$")
@@ -49,6 +55,94 @@ class Component(NamedTuple):
             return f"L{self.layer}.E{self.index}"
         owner = "" if self.expert is None else ("shared." if self.expert == "shared" else f"E{self.expert}.")
         return f"L{self.layer}.{owner}N{self.index}"
+
+
+class Run(NamedTuple):
+    """Consecutive components that differ in one field only: ``index`` or ``source`` is a ``range`` (or neither:
+    one component)."""
+
+    layer: int | None
+    term: str
+    part: str | None = None
+    index: int | range | None = None
+    source: int | range | None = None
+    expert: int | str | None = None
+
+    @property
+    def size(self) -> int:
+        """How many components the run holds."""
+        varying = self.index if isinstance(self.index, range) else self.source
+        return len(varying) if isinstance(varying, range) else 1
+
+    def components(self) -> Iterator[Component]:
+        """Each component of the run, in order."""
+        layer, term, part, index, source, expert = self
+        new = tuple.__new__
+        if isinstance(index, range):
+            return (new(Component, (layer, term, part, i, source, expert)) for i in index)
+        if isinstance(source, range):
+            return (new(Component, (layer, term, part, index, s, expert)) for s in source)
+        return iter((new(Component, tuple(self)),))
+
+    def labels(self) -> list[str]:
+        """The run's labels, in order (one prefix, then each index or source)."""
+        if isinstance(self.source, range):
+            prefix = f"L{self.layer}.H{self.index}.S"
+            return [prefix + str(s) for s in self.source]
+        if isinstance(self.index, range):
+            first = Component(self.layer, self.term, self.part, 0, self.source, self.expert).label
+            prefix = first[:-1]  # the label of index 0, less its "0"
+            return [prefix + str(i) for i in self.index]
+        return [Component(*self).label]
+
+
+class Components(Sequence):
+    """A sequence of ``Component`` stored as ``Run``s; equal to any sequence of the same components."""
+
+    def __init__(self, runs: Sequence[Run]):
+        self.runs = tuple(run for run in runs if run.size)
+        ends, total = [], 0
+        for run in self.runs:
+            total += run.size
+            ends.append(total)
+        self._ends = ends
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __iter__(self) -> Iterator[Component]:
+        for run in self.runs:
+            yield from run.components()
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            return tuple(self)[item]
+        n = len(self)
+        if not -n <= item < n:
+            raise IndexError(f"component {item} of {n}")
+        item %= n
+        k = bisect.bisect_right(self._ends, item)
+        start = self._ends[k - 1] if k else 0
+        layer, term, part, index, source, expert = self.runs[k]
+        if isinstance(index, range):
+            index = index[item - start]
+        elif isinstance(source, range):
+            source = source[item - start]
+        return Component(layer, term, part, index, source, expert)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Components) and self.runs == other.runs:
+            return True
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def labels(self) -> list[str]:
+        """Every component's label, in order."""
+        return [label for run in self.runs for label in run.labels()]
+
+    def __repr__(self) -> str:
+        return f"Components({len(self)} in {len(self.runs)} runs)"
 
 
 def parse_label(label: str) -> Component:

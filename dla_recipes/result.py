@@ -9,6 +9,7 @@ run their prompts grouped by length).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -63,8 +64,7 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
         read_by: ``attribute_direction``'s norm (``"L3.ln_2"``); empty for a logit.
     """
     readout = Readout.concat(readouts)
-    components = plan.components(by, stop, sources)  # built once: by="neuron" on a large model has ~10^5-10^6
-    labels = [component.label for component in components]
+    components, labels = components_of(plan, by, stop, sources)
     error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels)
     attr = Attribution(
         values=readout.values,
@@ -86,9 +86,25 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
             "scale": readout.scale,
             **checked,
         },
-        components=tuple(components),
+        components=components,
     )
     return attr if order is None else in_user_order(attr, order)
+
+
+# plan -> {(by, stop, sources): (components, labels)}: a loop of calls on one model builds them once (by="neuron" on
+# a large model has ~10^5-10^6). Client side only: nothing that travels into a remote trace refers to it.
+_COMPONENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def components_of(plan, by: str, stop=None, sources=None) -> tuple[tuple, list[str]]:
+    """``(plan.components(...), their labels)``, built once per plan and arguments."""
+    cache = _COMPONENTS.setdefault(plan, {})
+    key = (by, stop, sources)
+    if key not in cache:
+        components = plan.components(by, stop, sources)
+        cache[key] = (components, tuple(components.labels()))
+    components, labels = cache[key]
+    return components, list(labels)
 
 
 def in_user_order(attr: Attribution, order: Sequence[int]) -> Attribution:

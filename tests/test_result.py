@@ -86,3 +86,21 @@ def test_a_label_of_no_layer_is_a_whole_term():
     assert parse_label("embed") == Component(None, "embed")
     assert parse_label("L12.mixer") == Component(12, "mixer")
     assert Component(3, "experts", "neuron", 7, expert="shared").label == "L3.shared.N7"
+
+
+@pytest.mark.parametrize(("family", "by"), [("qwen2_moe", "neuron"), ("qwen2_moe", "expert"), ("llama", "source")])
+def test_components_index_iterate_and_label_alike(family, by):
+    """A plan's ``Components`` (runs, made when read): indexing, iterating, slicing and the labels agree."""
+    from dla_recipes.plan import Components, Sources
+
+    plan = dla_recipes.plan.build_plan(tiny_model(family))
+    sources = Sources(3, frozenset({(0, 1), (1, 0)})) if by == "source" else None
+    components = plan.components(by, None, sources)
+    assert isinstance(components, Components)
+    listed = list(components)
+    assert len(listed) == len(components) == len(plan.labels(by, None, sources))
+    assert [components[j] for j in range(len(components))] == listed == list(components[:])
+    assert components[-1] == listed[-1] and components == tuple(listed)
+    assert [c.label for c in listed] == components.labels() == plan.labels(by, None, sources)
+    with pytest.raises(IndexError):
+        components[len(components)]

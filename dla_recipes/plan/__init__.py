@@ -5,7 +5,8 @@ the components an attribution has at each granularity (``Plan.components(by)``, 
 ``plan.sources`` decides, before any forward pass, which heads ``by="source"`` splits.
 """
 
+from ..components import Component, Components
 from .build import build_plan, layer_terms, module_at
-from .plan import Component, Plan, PlannedTerm, Sources, Stop
+from .plan import Plan, PlannedTerm, Sources, Stop
 
-__all__ = ["Component", "Plan", "PlannedTerm", "Sources", "Stop", "build_plan", "layer_terms", "module_at"]
+__all__ = ["Component", "Components", "Plan", "PlannedTerm", "Sources", "Stop", "build_plan", "layer_terms", "module_at"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ..args import Granularity, check_granularity
-from ..components import Component
+from ..components import Components, Run
 from ..errors import InputError
 from ..families import Family, Heads, Term
 
@@ -98,34 +98,32 @@ class PlannedTerm:
             return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
         return None
 
-    def components(self, i: int, by: Granularity, sources: Sources | None = None) -> list[Component]:
-        """This term's components in block ``i``; the last is always the term's rest (``part=None``).
+    def components(self, i: int, by: Granularity, sources: Sources | None = None) -> list[Run]:
+        """This term's components in block ``i``, as runs; the last is always the term's rest (``part=None``).
 
         ``by="source"``: ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads ``sources``
         splits, ``L3.H5`` for the others."""
         mode, name = self.mode(by), self.term.name
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
-            parts = [c for h in range(self.parts) for c in
-                     ([Component(i, name, "head", h, s) for s in range(sources.count)] if split[h]
-                      else [Component(i, name, "head", h)])]
+            parts = [Run(i, name, "head", h, range(sources.count)) if split[h] else Run(i, name, "head", h)
+                     for h in range(self.parts)]
         elif mode == "heads":
-            parts = [Component(i, name, "head", p) for p in range(self.parts)]
+            parts = [Run(i, name, "head", range(self.parts))]
         elif mode == "neurons":
-            parts = [Component(i, name, "neuron", p) for p in range(self.parts)]
+            parts = [Run(i, name, "neuron", range(self.parts))]
         elif mode == "experts":
-            parts = [Component(i, name, "expert", e) for e in range(self.experts)]
-            parts += [Component(i, name, "shared")] if self.shared_width else []
+            parts = [Run(i, name, "expert", range(self.experts))]
+            parts += [Run(i, name, "shared")] if self.shared_width else []
         elif mode == "expert_neurons":
-            parts = [Component(i, name, "neuron", n, expert=e) for e in range(self.experts)
-                     for n in range(self.expert_width)]
-            parts += [Component(i, name, "neuron", n, expert="shared") for n in range(self.shared_width)]
+            parts = [Run(i, name, "neuron", range(self.expert_width), expert=e) for e in range(self.experts)]
+            parts += [Run(i, name, "neuron", range(self.shared_width), expert="shared")]
         else:
             parts = []
-        return parts + [Component(i, name)]
+        return parts + [Run(i, name)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: the result caches its components per plan
 class Plan:
     """What the in-trace recipe reads for one model. ``layers[i]`` lists block ``i``'s terms in forward order."""
 
@@ -137,21 +135,21 @@ class Plan:
     head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
 
     def components(self, by: Granularity = "block", stop: Stop | None = None,
-                   sources: Sources | None = None) -> list[Component]:
+                   sources: Sources | None = None) -> Components:
         """The components in forward order: the embedding, then each block's terms (split at ``by``; a split term
         keeps a component for its rest). With ``stop``, only the terms written before it; ``sources``: how
-        ``by="source"`` splits the heads."""
+        ``by="source"`` splits the heads. A ``Components`` sequence: each ``Component`` is made when read."""
         check_granularity(by)
-        components = [Component(None, "embed")]
+        runs = [Run(None, "embed")]
         for i, terms in enumerate(self.terms_before(stop)):
             for planned in terms:
-                components.extend(planned.components(i, by, sources))
-        return components
+                runs.extend(planned.components(i, by, sources))
+        return Components(runs)
 
     def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> list[str]:
         """The components' labels: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` / ``L3.E2`` /
         ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest)."""
-        return [component.label for component in self.components(by, stop, sources)]
+        return self.components(by, stop, sources).labels()
 
     def require(self, by: Granularity) -> Granularity:
         """``by``, checked to be a granularity this model has (``"expert"`` needs routed experts)."""
