@@ -50,11 +50,14 @@ def as_index(value, role: str):
         raise InputError(f"{role} is a {type(value).__name__} ({value!r}): pass an integer (floats are never truncated)")
     return None
 
+
 def _item(value):
     return value.reshape(()).item() if hasattr(value, "reshape") else value
 
+
 def _is_numpy_bool(value) -> bool:
     return type(value).__module__ == "numpy" and getattr(getattr(value, "dtype", None), "kind", "") == "b"
+
 
 def check_text(text, role: str) -> str:
     """``text`` checked to be a string the tokenizer can encode (bytes and lone surrogates are refused)."""
@@ -70,6 +73,7 @@ def check_text(text, role: str) -> str:
             "not valid Unicode text: remove it, or decode the source bytes with errors='replace'"
         ) from None
     return str(text)
+
 
 def per_prompt(value, n: int, role: str) -> list:
     """``value`` as one entry per prompt: a list / tuple / array / tensor of ``n``, or a single token (or a sequence of
@@ -87,6 +91,7 @@ def per_prompt(value, n: int, role: str) -> list:
             raise InputError(f"{len(value)} {role} tokens for {n} prompts: give one for all or one per prompt")
         return list(value)
     return [value] * n
+
 
 def check_prompts(prompts) -> list[str]:
     """``prompts`` as a non-empty list of strings: a string, or a list / tuple / generator / array of strings."""
@@ -140,12 +145,14 @@ def check_remote(remote) -> None:
         "http:// or https://"
     )
 
+
 def check_int(value, role: str) -> int:
     """``value`` as an int (Python, numpy, 0-d integer tensor), else ``InputError`` naming ``role``."""
     index = None if value is None else as_index(value, role)
     if index is None:
         raise InputError(f"{role} must be an int, not {value!r}")
     return index
+
 
 def check_position(position) -> int:
     """``position`` as an int (Python, numpy, 0-d integer tensor); negative counts from the end of each prompt."""
@@ -155,6 +162,7 @@ def check_position(position) -> int:
             f"position must be one int for all prompts (negative counts from the end of each prompt), not {position!r}"
         )
     return index
+
 
 def check_batch_size(batch_size) -> int | None:
     """``batch_size`` as a positive int, or None (all prompts in one forward pass)."""
@@ -170,6 +178,7 @@ def check_batch_size(batch_size) -> int | None:
         )
     return size
 
+
 def check_tolerance(tolerance) -> float | None:
     """``tolerance`` as a positive finite float, or None (the default for the model's dtype)."""
     if tolerance is None:
@@ -183,6 +192,7 @@ def check_tolerance(tolerance) -> float | None:
         )
     return float(tolerance)
 
+
 def closest(name, choices: Sequence[str]) -> str:
     """`` (did you mean 'head'?)`` for the choice closest to ``name``, or ``""``."""
     if not isinstance(name, str):
@@ -191,12 +201,14 @@ def closest(name, choices: Sequence[str]) -> str:
     match = difflib.get_close_matches(key, choices, n=1, cutoff=0.5) or [c for c in choices if key.startswith(c)]
     return f" (did you mean {match[0]!r}?)" if match else ""
 
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
+
 
 def check_dtype(dtype):
     """A dtype given as a ``torch.dtype``, ``"auto"`` or a name (``"bfloat16"`` / ``"bf16"``, ``"fp16"``, ...)."""
@@ -207,6 +219,7 @@ def check_dtype(dtype):
     raise InputError(
         f"dtype {dtype!r} is not a dtype: use float32 (fp32), bfloat16 (bf16) or float16 (fp16), or a torch.dtype"
     )
+
 
 def check_device_map(device_map) -> None:
     """Refuse ``device_map="meta"``: a model without weights cannot be attributed."""

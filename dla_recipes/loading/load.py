@@ -115,7 +115,6 @@ def load(model, tokenizer=None, **kwargs):
         fake_tensor_log.setLevel(level)
 
 
-
 def _registered_folder(name: str) -> str | None:
     """The folder of a registered short name (``"smollm2"``, ``"gemma3-270m"``), or None for other names."""
     try:

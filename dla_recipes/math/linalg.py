@@ -16,6 +16,7 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 CHUNK_ELEMENTS = 1 << 24  # float32 elements of a weight converted at once (64 MB): bounds memory in bf16 / fp16
 
+
 def matmul_f32(x: torch.Tensor, weight: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``x @ weight`` (or ``x @ weight.T``) in float32, ``x`` ``[rows, k]`` float32, whatever ``weight``'s dtype.
 
@@ -33,6 +34,7 @@ def matmul_f32(x: torch.Tensor, weight: torch.Tensor, transpose: bool = False) -
     for i in range(0, weight.shape[0], step):  # weight [k, n]: each slice of rows adds its share of the sum
         out += x[:, i:i + step] @ weight[i:i + step].float()
     return out
+
 
 def linear_pullback(module, u: torch.Tensor, transposed: bool):
     """``(W^T u [batch, in_features], bias . u [batch] or 0.0)`` for an ``nn.Linear`` (or ``Conv1D`` if transposed).

@@ -35,10 +35,12 @@ def stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> 
     v = v.to(size.device).double()
     return ((size * (v.unsqueeze(-2) if size.dim() == 3 else v)) ** 2).flatten(1).sum(-1).float()
 
+
 def binade(x: torch.Tensor) -> torch.Tensor:
     """``2^floor(log2 |x|)`` (0 at 0): a value read in a low precision is off by at most ``u`` times this."""
     mantissa, exponent = torch.frexp(x.float())
     return torch.where(x == 0, torch.zeros_like(mantissa), torch.ldexp(torch.ones_like(mantissa), exponent - 1))
+
 
 def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
                     extra_adds: int = 0, computed_in: torch.dtype = torch.float32) -> dict:
@@ -71,6 +73,7 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
         "finite_head": finite.float().cpu(),
         "first_nonfinite": first_nonfinite(scores).cpu(),
     }
+
 
 def first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
     """``[batch]`` float: the first column of ``scores`` that is not finite, or -1."""

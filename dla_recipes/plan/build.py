@@ -25,6 +25,7 @@ def module_at(root, path: str):
         obj = getattr(obj, name)
     return obj
 
+
 def has_path(layer, path: str) -> bool:
     """Whether ``path`` resolves below a block envoy (aliases included) to something that is not None."""
     obj = layer
@@ -33,6 +34,7 @@ def has_path(layer, path: str) -> bool:
             return False
         obj = getattr(obj, name)
     return obj is not None
+
 
 def layer_terms(family: Family, layer) -> tuple[Term, ...]:
     """The terms block ``layer`` (an envoy) writes: those of the first layer kind of ``family`` whose ``when`` path
@@ -50,6 +52,7 @@ def layer_terms(family: Family, layer) -> tuple[Term, ...]:
         f"({', '.join(repr(k.when) for k in family.kinds)})"
     )
 
+
 def config_value(config, name):
     """``config.<name>`` as a float; ``name`` may index a list (``"mlp_multipliers[1]"``) or be a function of the
     config (returning a float)."""
@@ -58,6 +61,7 @@ def config_value(config, name):
     attribute, _, index = name.partition("[")
     value = getattr(config, attribute)
     return float(value[int(index.rstrip("]"))] if index else value)
+
 
 def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
     """``(in_features, out_features, transposed)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D``."""
@@ -68,6 +72,7 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
         return int(weight.shape[0]), int(weight.shape[1]), True
     raise FamilyTableError(f"{type(module).__name__} is not a linear projection (nn.Linear or Conv1D)")
 
+
 def scalar(value, config, layer: int) -> float:
     """A term's scalar resolved for block ``layer``: 1.0 (None), ``config[value]`` (a name, or ``"name[i]"`` for a
     list item), or ``value(config, layer)``."""
@@ -75,7 +80,9 @@ def scalar(value, config, layer: int) -> float:
         return 1.0
     return float(value(config, layer)) if callable(value) else config_value(config, value)
 
+
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (family, plan): plans cost a module walk
+
 
 def build_plan(model, family: Family | None = None) -> Plan:
     """Resolve the family table against ``model`` (a StandardizedTransformer, possibly without weights).
@@ -90,6 +97,7 @@ def build_plan(model, family: Family | None = None) -> Plan:
     plan = plan_for(model, family)
     _PLANS[model] = (family, plan)
     return plan
+
 
 build_plan.cache_clear = _PLANS.clear
 
@@ -124,6 +132,7 @@ def _experts_shape(family: Family, i: int, layer, term: Term, d_model: int) -> t
             f"into {experts} experts of width d_model={d_model}"
         )
     return experts, down.numel() // (experts * d_model)
+
 
 def plan_for(model, family: Family) -> Plan:
     """``model``'s plan for ``family``, built now (not cached: ``trace_attribution`` builds it server side)."""

@@ -47,6 +47,7 @@ class Sources:
             return (True,) * heads
         return tuple((layer, h) in self.heads for h in range(heads))
 
+
 @dataclass(frozen=True)
 class PlannedTerm:
     """A ``Term`` with its constants and shapes resolved for one block.

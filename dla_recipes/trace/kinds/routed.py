@@ -71,7 +71,6 @@ def parts_of(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torc
     return out.sum(-1) if mode == "experts" else out.flatten(1)
 
 
-
 def score(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``; a bias added once after the projection goes to ``rest``."""
     parts = parts_of(layer, planned, mode, reads, u)
