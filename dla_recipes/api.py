@@ -58,14 +58,14 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     dtype = model_dtype(r.model)
     if ran.error is None:
         return assemble(r.plan, rows_of(r.batches), ran.readouts, r.by, dtype, r.tolerance, r.stop, r.sources,
-                        r.order, r.read_by)
+                        r.order, r.read_by, r.intervene is not None)
     k, n = len(ran.readouts), len(r.batches)
     ran_prompts = r.order[:sum(len(b.prompts) for b in r.batches[:k])]  # the user's indices of the prompts that ran
     covered = tuple(sorted(ran_prompts))
     partial = None
     if ran.readouts:  # its rows in the user's order too: rank the indices that ran
         partial = assemble(r.plan, rows_of(r.batches[:k]), ran.readouts, r.by, dtype, r.tolerance, r.stop,
-                           r.sources, [covered.index(i) for i in ran_prompts], r.read_by)
+                           r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None)
     raise RemoteBatchError(
         f"request {k + 1} of {n} failed: {ran.error}\n\nThe {k} request(s) before it completed: their "
         f"attribution ({len(covered)} prompt(s)) is kept in this error's .partial; call .resume() to send the "
@@ -115,7 +115,10 @@ def attribute(
             steering vector to what a sublayer writes. The attribution is then of the *edited* forward pass: its
             parts sum to the edited model's own logit, and an ablated head's direct part is 0. It runs once per
             batch (``batch_size``) on that batch's rows, and with ``remote`` it travels with the request (by its
-            source: give a ``def`` or a lambda, and pass the tensors it uses as defaults or globals).
+            source: give a ``def`` or a lambda, and pass the tensors it uses as defaults or globals). At
+            ``by="head"`` / ``"neuron"`` / ``"expert"`` / ``"source"`` each split term then has a column
+            ``L3.mlp.edit`` before its rest: what the sublayer wrote beyond its parts and bias (an edit of its
+            output after the projection, such as steering ``mlp.output``; in low precision also its rounding).
         sources: ``by="source"`` only: ``dict(layers=[...], top_heads=k)`` splits only these blocks' heads, or
             only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
@@ -152,7 +155,7 @@ def attribute(
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, top, count, heads)
     calls = tuple(LogitCall(plan, b.positions, b.targets, b.contrasts, by, split,
-                            offsets(b) if by == "source" else None) for b in batches)
+                            offsets(b) if by == "source" else None, intervene is not None) for b in batches)
     request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
                        progress, intervene, sources=split)
     try:

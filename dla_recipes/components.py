@@ -16,7 +16,8 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-_LABEL = re.compile(r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+))?|N(\d+)|(\w+))$")
+_LABEL = re.compile(
+    r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+))?|N(\d+)|(\w+)(\.edit)?)$")
 
 
 class Component(NamedTuple):
@@ -25,8 +26,9 @@ class Component(NamedTuple):
     Attributes:
         layer: the block (None: the embedding).
         term: the term's name (``"embed"``, ``"attn"``, ``"mlp"``, ``"experts"``, ...).
-        part: None (the term whole, or a split term's rest: its biases), ``"head"``, ``"neuron"``, ``"expert"`` or
-            ``"shared"`` (a shared expert, whole or by neuron).
+        part: None (the term whole, or a split term's rest: its biases), ``"head"``, ``"neuron"``, ``"expert"``,
+            ``"shared"`` (a shared expert, whole or by neuron) or ``"edit"`` (what a split term wrote beyond its
+            parts and bias in an edited forward pass).
         index: the head, neuron or expert index (None for a rest or a whole shared expert).
         source: ``by="source"``: the source position (an index into the prompt's own tokens) of a split head.
         expert: an expert's neuron (``part="neuron"``): its expert index, or ``"shared"``.
@@ -42,11 +44,13 @@ class Component(NamedTuple):
     @property
     def label(self) -> str:
         """``"embed"``, ``"L3.attn"``, ``"L3.H5"``, ``"L3.H5.S2"``, ``"L3.N127"``, ``"L3.E2"``, ``"L3.E2.N17"``,
-        ``"L3.shared"``, ``"L3.shared.N5"``."""
+        ``"L3.shared"``, ``"L3.shared.N5"``, ``"L3.mlp.edit"``."""
         if self.layer is None:
             return self.term
         if self.part is None:
             return f"L{self.layer}.{self.term}"
+        if self.part == "edit":
+            return f"L{self.layer}.{self.term}.edit"
         if self.part == "head":
             return f"L{self.layer}.H{self.index}" + ("" if self.source is None else f".S{self.source}")
         if self.part == "shared":
@@ -151,7 +155,7 @@ def parse_label(label: str) -> Component:
     match = _LABEL.match(label)
     if match is None:
         return Component(None, label)
-    layer, expert, e, shared, expert_neuron, head, source, neuron, term = match.groups()
+    layer, expert, e, shared, expert_neuron, head, source, neuron, term, edit = match.groups()
     layer = int(layer)
     if head is not None:
         return Component(layer, "attn", "head", int(head), None if source is None else int(source))
@@ -163,4 +167,4 @@ def parse_label(label: str) -> Component:
         return Component(layer, "experts", "shared")
     if expert:
         return Component(layer, "experts", "expert", int(e))
-    return Component(layer, term)
+    return Component(layer, term, "edit" if edit else None)

@@ -97,7 +97,8 @@ class TracedAttribution:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
         try:
-            return assemble(self.plan, rows, [Readout.unpack(self.packed)], self.by, self.dtype, self.tolerance)
+            return assemble(self.plan, rows, [Readout.unpack(self.packed)], self.by, self.dtype, self.tolerance,
+                            edits=True)
         except ExactnessError as failed:
             raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 
@@ -214,12 +215,14 @@ def trace_attribution(
 
         def run():
             _check_batch(model, shape)
-            handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack())
+            handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by,
+                                                          edits=True).pack())
 
         _run_alongside(tracer.envoy.interleaver, run)
         return nnsight.save(handle)
     with tracer.invoke():
         _check_batch(model, shape)
-        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by).pack()
+        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by,
+                                                          edits=True).pack()
         handle.packed = nnsight.save(packed)
     return nnsight.save(handle)

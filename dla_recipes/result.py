@@ -25,7 +25,7 @@ EDIT_HINT = (
     "The forward pass was edited: an edit that adds to the residual stream itself (a block's output, "
     "layers_output, nnterp's model.steer) writes a vector that no component wrote, so the parts cannot sum to the "
     "logit. Add it to what a sublayer writes instead (e.g. model.layers[i].mlp.output), where it is attributed to "
-    "that sublayer."
+    "that sublayer (L{i}.mlp by block; L{i}.mlp.edit by head, neuron, expert or source)."
 )
 
 
@@ -52,7 +52,7 @@ def rows_of(batches: Sequence) -> Rows:
 
 def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
              tolerance: float | None = None, stop=None, sources=None, order: Sequence[int] | None = None,
-             read_by: str = "") -> Attribution:
+             read_by: str = "", edits: bool = False) -> Attribution:
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order).
 
     Args:
@@ -62,10 +62,12 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
             measure it).  tolerance: the user's relative tolerance, or None.
         order: the user's index of each prompt in run order; the result's rows are put back in the user's order.
         read_by: ``attribute_direction``'s norm (``"L3.ln_2"``); empty for a logit.
+        edits: the forward pass may have been edited (``intervene=``, ``trace_attribution``): each split term has
+            an ``.edit`` column (``Plan.components``).
     """
     readout = Readout.concat(readouts)
-    components, labels = components_of(plan, by, stop, sources)
-    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels)
+    components, labels = components_of(plan, by, stop, sources, edits)
+    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits)
     attr = Attribution(
         values=readout.values,
         labels=labels,
@@ -96,12 +98,12 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
 _COMPONENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def components_of(plan, by: str, stop=None, sources=None) -> tuple[tuple, list[str]]:
+def components_of(plan, by: str, stop=None, sources=None, edits: bool = False) -> tuple[tuple, list[str]]:
     """``(plan.components(...), their labels)``, built once per plan and arguments."""
     cache = _COMPONENTS.setdefault(plan, {})
-    key = (by, stop, sources)
+    key = (by, stop, sources, edits)
     if key not in cache:
-        components = plan.components(by, stop, sources)
+        components = plan.components(by, stop, sources, edits)
         cache[key] = (components, tuple(components.labels()))
     components, labels = cache[key]
     return components, list(labels)

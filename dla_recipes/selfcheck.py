@@ -6,10 +6,15 @@
    frozen norm's scale, the model's own logits) raises ``NonFiniteError`` naming the first place it appears in
    forward order and what to do (a float16 model that overflows: load it in bfloat16 or float32).
 2. **The final head** (logit scale, soft-cap from the family table) reproduces the model's output logits.
-3. **Split terms.** Where a term is split into heads or neurons, its parts plus bias are compared with the
-   projection's own output read along the same direction (``Readout.split_gap``): in low precision that output was
-   rounded, the parts were not. The gap must be within the projection's rounding; it is reported as
-   ``diagnostics["split_rounding"]`` and not counted against step 4.
+3. **Split terms.** Where a term is split into heads or neurons through one projection, in low precision, its
+   parts plus bias are compared with what it really wrote, read where it is added, along the same direction
+   (``Readout.split_gap``): that write was rounded (by the projection, any post-norm or multiplier after it), the
+   parts were not. Each term's gap must be within its own rounding (``SIGMAS * u * sqrt(k * sum_i (w_i u_i)^2)``
+   plus the float32 floor), so a write after the projection that no part makes (a torch hook, a family table that
+   misses a gate) is caught in bfloat16 too, naming the term; the gaps are reported as
+   ``diagnostics["split_rounding"]`` and not counted against step 4. A call that may carry an edit
+   (``intervene=``, ``trace_attribution``) has each split term's gap as a column of its own instead
+   (``L3.mlp.edit``), so there is nothing to hold here.
 4. **The sum.** ``|values.sum(-1) + constant + split_gap - logit|`` must be within ``bound``, derived from the
    precision the model computed in (its unit roundoff ``u``: 2^-8 in bfloat16, 2^-11 in float16, 2^-24 in float32):
 
@@ -20,8 +25,11 @@
      ``u * stream_noise`` (the stream around each add, read after each block);
 
    the last two are sums of many independent roundings, allowed ``SIGMAS`` times their scale. On top comes the
-   float32 bound of the recipe's own arithmetic, ``FLOAT32_RTOL * max(1, |logit|)``. A user ``tolerance`` replaces
-   the derived bound by ``tolerance * max(1, |logit|)``.
+   float32 bound of the recipe's own arithmetic, ``FLOAT32_RTOL * max(1, |logit|)``.
+
+   A user ``tolerance`` replaces this derived bound (steps 3 and 4) by ``tolerance * max(1, |logit|)``: larger
+   loosens the check, smaller tightens it, and a tolerance below the derived bound can fail on the model's own
+   rounding alone (the error then says so, with the tolerance that would hold).
 
 The error message says whether precision or the family table is the likely cause: a gap within a few times the
 precision bound is the model's own rounding; a gap far beyond it is a write the family table does not describe.
@@ -32,11 +40,11 @@ from __future__ import annotations
 import torch
 
 from .errors import ExactnessError, NonFiniteError
+from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-SIGMAS = 4.0  # allowance on a sum of independent roundings, in units of its scale (each rounding is <= u |x_i|)
+__all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
 FLOAT32_RTOL = 1e-4  # the recipe's own float32 arithmetic: the float32-style bound, FLOAT32_RTOL * max(1, |logit|)
-PRECISION_LIKELY = 4.0  # a gap within this many precision bounds is called rounding in the error message
+PRECISION_LIKELY = 4.0  # a gap within this many precision bounds is called possibly rounding in the error message
 
 
 def model_dtype(model) -> torch.dtype:
@@ -45,13 +53,6 @@ def model_dtype(model) -> torch.dtype:
         return model.lm_head.weight.dtype
     except AttributeError:
         return torch.float32
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """``u``: the largest relative rounding error of one operation in ``dtype`` (round to nearest)."""
-    if dtype in UNIT_ROUNDOFF:
-        return UNIT_ROUNDOFF[dtype]
-    return 2.0 ** -(torch.finfo(dtype).nmant + 1) if dtype.is_floating_point else UNIT_ROUNDOFF[torch.float32]
 
 
 def computed_dtype(readout, dtype: torch.dtype) -> torch.dtype:
@@ -108,17 +109,18 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
 
 
 def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-               labels: list[str] | None = None) -> tuple[float, dict]:
+               labels: list[str] | None = None, edits: bool = False) -> tuple[float, dict]:
     """Check ``readout`` (see the module docstring); return ``(error, diagnostics)`` or raise.
 
     Args:
         readout: the concatenated ``Readout`` of all batches.
         dtype: the dtype the model computes in.  tolerance: a user's relative tolerance (replaces the bound).
         labels: the components' labels (to name the first non-finite one).
+        edits: the call may carry an edit of the forward pass (it has ``.edit`` columns; the messages say so).
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
-        ``split_rounding`` ``[batch]`` (the split projections' own low-precision rounding, read along the logit).
+        ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit).
     """
     dtype = computed_dtype(readout, dtype)
     _nonfinite(readout, labels, plan, dtype)
@@ -127,10 +129,50 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     u = unit_roundoff(dtype)
     floor = float32_bound(readout)
     precision = precision_bound(readout, dtype)
-    bound = floor + precision if tolerance is None else tolerance * torch.clamp(readout.logit.abs(), min=1.0)
-    split_bound = floor + u * SIGMAS * readout.split_noise if tolerance is None else bound
+    derived = floor + precision
+    bound = derived if tolerance is None else tolerance * torch.clamp(readout.logit.abs(), min=1.0)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
+    _check_head(readout, plan, u, tolerance)
+    _check_split(readout, plan, by, dtype, u, floor, bound, tolerance)
+    gaps = (total + readout.split_gap - readout.logit).abs()
+    if bool((gaps > bound).any()):
+        worst = int(torch.argmax(gaps / bound))
+        gap, allowed, own = float(gaps[worst]), float(bound[worst]), float(precision[worst])
+        held = float(derived[worst])
+        if tolerance is not None and gap <= held:
+            cause = (
+                f"The gap is within what the model's own {dtype} rounding and the recipe's float32 arithmetic "
+                f"explain ({held:.3g}): the tolerance={tolerance:g} you passed allows only {allowed:.3g} here, below "
+                f"this dtype's own rounding. Pass tolerance=None (the derived bound) or at least "
+                f"{held / max(1.0, abs(float(readout.logit[worst]))):.2g}."
+            )
+        elif u > UNIT_ROUNDOFF[torch.float32] and gap <= PRECISION_LIKELY * held:
+            cause = (
+                f"The gap is {gap / held:.3g}x the bound of the model's own {dtype} rounding ({own:.3g}; "
+                f"a float32 model would be held to {float(floor[worst]):.3g}): precision is a possible cause, "
+                "not the only one. Attribute the model in float32 to tell "
+                "(dla_recipes.load(..., dtype=torch.float32)): a gap that stays is a write no component accounts for "
+                + ("(an edit of the stream itself, a torch hook, or a write the family table does not describe)."
+                   if edits else "(a torch hook, or a write the family table does not describe).")
+            )
+        else:
+            cause = (
+                f"The gap is far beyond ({gap / held:.3g}x) what {dtype} rounding and float32 arithmetic explain "
+                f"({held:.3g}): "
+                "something wrote into the residual stream that no component accounts for"
+                + (" (an edit of the stream itself, or " if edits else " (")
+                + "a write the family table entry does not describe)."
+            )
+        raise ExactnessError(
+            f"family {plan.family.name!r}: the parts sum to {float(total[worst] + readout.split_gap[worst]):.6g} but "
+            f"the model's own logit is {float(readout.logit[worst]):.6g} (prompt {worst}, error {gap:.3g} > "
+            f"tolerance {allowed:.3g}, by={by!r}, {dtype}). {cause} dla_recipes refuses to return a wrong attribution."
+        )
+    return error, diagnostics
 
+
+def _check_head(readout, plan, u: float, tolerance: float | None) -> None:
+    """The family table's final head (logit scale, soft-cap) reproduces the model's output logits, or raise."""
     head_error = float(readout.head_error)
     size = torch.maximum(readout.logit_size, readout.output_logit.abs())
     head_bound = float(((FLOAT32_RTOL if tolerance is None else tolerance) + SIGMAS * u) * torch.clamp(size, min=1.0).max())
@@ -140,37 +182,43 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
             f"{plan.softcap}) does not reproduce the model's output logits (off by {head_error:.3g} > "
             f"{head_bound:.3g}); fix its logits_times / logits_over / softcap entry in the family table (dla_recipes/families/)"
         )
+
+
+def _term_label(plan, code: float) -> str:
+    """The label of the split term ``Readout.split_worst_term`` names (``layer * 1024 + index``)."""
+    layer, k = divmod(int(code), 1024)
+    try:
+        return f"L{layer}.{plan.layers[layer][k].term.name}"
+    except IndexError:
+        return f"block {layer}'s term {k}"
+
+
+def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance) -> None:
+    """Each checked split term's parts and bias explain what it wrote, to its own rounding (step 3), or raise."""
+    parts = {"head": "heads", "neuron": "neurons"}.get(by, "parts")
+    if tolerance is None:
+        gap, allowed = readout.split_worst_gap.abs(), floor + readout.split_worst_allowed
+        if bool((gap > allowed).any()):
+            worst = int(torch.argmax(gap / allowed))
+            term = _term_label(plan, float(readout.split_worst_term[worst]))
+            raise ExactnessError(
+                f"family {plan.family.name!r}: by={by!r}, {term} wrote {float(readout.split_worst_gap[worst]):+.3g} "
+                f"into the residual stream (along the logit, prompt {worst}) that its {parts} and bias do not "
+                f"explain, more than its {dtype} rounding allows ({float(allowed[worst]):.3g}). Either the forward "
+                f"pass was edited after {term}'s projection without dla_recipes knowing (a torch hook, or nnsight "
+                f"code outside the call: pass the edit as attribute(..., intervene=fn), where it is attributed as "
+                f"{term}.edit), or the family table's split entry does not describe what this sublayer writes. "
+                "dla_recipes refuses to return a wrong attribution."
+            )
+    split_bound = floor + u * SIGMAS * readout.split_noise if tolerance is None else bound
     split = readout.split_gap.abs()
     if bool((split > split_bound).any()):
         worst = int(torch.argmax(split / split_bound))
         raise ExactnessError(
-            f"family {plan.family.name!r}: by={by!r}, the parts of the split terms (heads, neurons) differ from "
-            f"their output projections' own output by {float(split[worst]):.3g} (prompt {worst}), more than the "
-            f"projections' {dtype} rounding allows ({float(split_bound[worst]):.3g}): the family table's "
-            "projection / split entry does not describe what these terms write; dla_recipes refuses to return a "
-            "wrong attribution."
+            f"family {plan.family.name!r}: by={by!r}, the split terms' {parts} and biases differ from what the terms "
+            f"wrote into the residual stream by {float(split[worst]):.3g} in all (prompt {worst}), more than "
+            + (f"their {dtype} rounding allows" if tolerance is None else f"tolerance={tolerance:g} allows")
+            + f" ({float(split_bound[worst]):.3g}): an edit after a projection that dla_recipes does not know of (pass "
+            "it as intervene=fn) or a family table split entry that does not describe what these terms write; "
+            "dla_recipes refuses to return a wrong attribution."
         )
-    gaps = (total + readout.split_gap - readout.logit).abs()
-    if bool((gaps > bound).any()):
-        worst = int(torch.argmax(gaps / bound))
-        gap, allowed = float(gaps[worst]), float(bound[worst])
-        own = float(precision[worst])
-        if tolerance is None and u > UNIT_ROUNDOFF[torch.float32] and gap <= PRECISION_LIKELY * (own + float(floor[worst])):
-            cause = (
-                f"The gap is within {PRECISION_LIKELY:g}x of what the model's own {dtype} rounding explains "
-                f"({own:.3g}; a float32 model would be held to {float(floor[worst]):.3g}): precision is the likely "
-                "cause. Attribute the model in float32 to confirm (dla_recipes.load(..., dtype=torch.float32)), or "
-                "pass a larger tolerance=."
-            )
-        else:
-            cause = (
-                f"The gap is far beyond what {dtype} rounding explains ({own:.3g}; float32 bound "
-                f"{float(floor[worst]):.3g}): the family table entry does not describe what this model's blocks add "
-                "to the residual stream (a write no component accounts for)."
-            )
-        raise ExactnessError(
-            f"family {plan.family.name!r}: the parts sum to {float(total[worst] + readout.split_gap[worst]):.6g} but "
-            f"the model's own logit is {float(readout.logit[worst]):.6g} (prompt {worst}, error {gap:.3g} > "
-            f"tolerance {allowed:.3g}, by={by!r}). {cause} dla_recipes refuses to return a wrong attribution."
-        )
-    return error, diagnostics

@@ -291,7 +291,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "families": GROUND,
     "math": (),
     "present": GROUND,
-    "selfcheck": GROUND,
+    "selfcheck": GROUND + ("math",),
     "loading": GROUND + ("args", "families"),
     "plan": GROUND + ("args", "families"),
     "trace": GROUND + ("args", "families", "plan", "math"),

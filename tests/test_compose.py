@@ -205,7 +205,7 @@ def test_patch_in_one_trace_equals_intervene():
     alone = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head", intervene=patch)
     torch.testing.assert_close(both.values[3:], alone.values, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(both.logit[3:], alone.logit, atol=2e-6, rtol=1e-5)
-    unedited = dla_recipes.attribute(model, CORRUPT, TARGET, contrast=CONTRAST, by="head")
+    unedited = dla_recipes.attribute(model, CORRUPT, TARGET, contrast=CONTRAST, by="head", intervene=lambda m: None)
     torch.testing.assert_close(both.values[:3], unedited.values, atol=2e-6, rtol=1e-5)
 
 

@@ -27,10 +27,12 @@ def _same_diagnostics(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("by", ["block", "head", "neuron"])
 def test_trace_attribution_returns_what_attribute_returns(by, dtype):
-    """The same prompts, targets and granularity through ``attribute`` and through ``trace_attribution`` in a
-    plain trace: the same labels, components, values and diagnostics (keys and numbers), in float32 and bfloat16."""
+    """The same prompts, targets and granularity through ``attribute`` (with an ``intervene=`` that edits nothing:
+    both calls may carry an edit, so both have the split terms' ``.edit`` columns) and through ``trace_attribution``
+    in a plain trace: the same labels, components, values and diagnostics (keys and numbers), in float32 and
+    bfloat16."""
     model = dla_recipes.load(tiny.build("llama").to(dtype), tokenizer=tiny.tokenizer())
-    called = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+    called = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, intervene=lambda model: None)
     with torch.no_grad(), model.trace() as tracer:
         with tracer.invoke(PROMPTS):
             pass

@@ -11,23 +11,51 @@ from dataclasses import dataclass, field
 
 import torch
 
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+SIGMAS = 4.0  # allowance on a sum of independent roundings, in units of its scale (each rounding is <= u |x_i|)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """``u``: the largest relative rounding error of one operation in ``dtype`` (round to nearest)."""
+    if dtype in UNIT_ROUNDOFF:
+        return UNIT_ROUNDOFF[dtype]
+    return 2.0 ** -(torch.finfo(dtype).nmant + 1) if dtype.is_floating_point else UNIT_ROUNDOFF[torch.float32]
+
 
 @dataclass
 class Rounding:
     """What the model's own rounding is bounded with, collected in the trace (unscaled, each ``[batch]``).
 
     Attributes:
-        split_gaps: per split term (heads, neurons), its projection's own output read along the term's direction
-            minus its parts and bias: the rounding of the projection's low-precision output.
-        split_noise: per split term, ``sum_i (o_i u_i)^2`` of those outputs ``o``: the squared scale of that rounding.
+        split_gaps: per checked split term (heads or neurons through one projection), what it wrote into the
+            residual stream (read where it is added) along the term's direction, minus its parts and bias: the
+            rounding of its low-precision output (and of any post-norm or multiplier after the projection).
+        split_noise: per checked split term, ``k * sum_i (w_i u_i)^2`` of that write ``w`` (``k`` its roundings
+            after the projection): the squared scale of that rounding.
+        split_terms: per checked split term, ``(layer, index of the term in its block)`` (names it in an error).
         stream_noise: after each whole block, the stream around its adds, ``max(|before|, |after|)`` per channel read
             along the direction there, squared, times the number of adds.
     """
 
     split_gaps: list = field(default_factory=list)
     split_noise: list = field(default_factory=list)
+    split_terms: list = field(default_factory=list)
     stream_noise: list = field(default_factory=list)
 
+    def worst_term(self, u: float, scale: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gap, allowed, term)`` ``[batch]`` of the checked split term whose gap most exceeds its own rounding
+        (``SIGMAS * u * sqrt(noise)``), scaled by the final ``scale``; ``term`` is ``layer * 1024 + index`` as a
+        float (-1: no term checked). The self-check holds ``|gap|`` to ``allowed`` plus its float32 floor."""
+        batch = scale.shape[0]
+        if not self.split_gaps:
+            zero = torch.zeros(batch, device=device)
+            return zero, zero, torch.full((batch,), -1.0, device=device)
+        gaps = torch.stack([g.to(device) for g in self.split_gaps], -1) * scale.to(device).unsqueeze(-1)
+        allowed = SIGMAS * u * torch.stack([n.to(device) for n in self.split_noise], -1).sqrt()
+        allowed = allowed * scale.to(device).abs().unsqueeze(-1)
+        worst = torch.argmax(gaps.abs() - allowed, -1, keepdim=True)
+        names = torch.tensor([float(layer * 1024 + k) for layer, k in self.split_terms], device=device)
+        return gaps.gather(-1, worst)[:, 0], allowed.gather(-1, worst)[:, 0], names[worst[:, 0]]
 
 def stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``[batch]``: ``sum((max(|before|, |after|) * v)^2)`` in float64 (streams ``[batch, (streams,) d_model]``)."""
@@ -70,6 +98,8 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
         "stream_noise": (adds.sqrt() * scale.abs()).cpu(),
         "split_gap": gap.cpu(),
         "split_noise": noise.cpu(),
+        **dict(zip(("split_worst_gap", "split_worst_allowed", "split_worst_term"),
+                   (t.cpu() for t in rounding.worst_term(torch.finfo(computed_in).eps / 2, scale, stream.device)))),
         "finite_head": finite.float().cpu(),
         "first_nonfinite": first_nonfinite(scores).cpu(),
     }

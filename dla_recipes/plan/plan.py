@@ -99,11 +99,12 @@ class PlannedTerm:
             return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
         return None
 
-    def components(self, i: int, by: Granularity, sources: Sources | None = None) -> list[Run]:
+    def components(self, i: int, by: Granularity, sources: Sources | None = None, edits: bool = False) -> list[Run]:
         """This term's components in block ``i``, as runs; the last is always the term's rest (``part=None``).
 
         ``by="source"``: ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads ``sources``
-        splits, ``L3.H5`` for the others."""
+        splits, ``L3.H5`` for the others. ``edits``: a split term has an ``L3.mlp.edit`` component before its rest
+        (what it wrote beyond its parts and bias: an edit after its projection)."""
         mode, name = self.mode(by), self.term.name
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
@@ -120,8 +121,8 @@ class PlannedTerm:
             parts = [Run(i, name, "neuron", range(self.expert_width), expert=e) for e in range(self.experts)]
             parts += [Run(i, name, "neuron", range(self.shared_width), expert="shared")]
         else:
-            parts = []
-        return parts + [Run(i, name)]
+            return [Run(i, name)]
+        return parts + ([Run(i, name, "edit")] if edits else []) + [Run(i, name)]
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: the result caches its components per plan
@@ -136,15 +137,16 @@ class Plan:
     head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
 
     def components(self, by: Granularity = "block", stop: Stop | None = None,
-                   sources: Sources | None = None) -> Components:
+                   sources: Sources | None = None, edits: bool = False) -> Components:
         """The components in forward order: the embedding, then each block's terms (split at ``by``; a split term
         keeps a component for its rest). With ``stop``, only the terms written before it; ``sources``: how
-        ``by="source"`` splits the heads. A ``Components`` sequence: each ``Component`` is made when read."""
+        ``by="source"`` splits the heads; ``edits``: the forward pass may be edited, so each split term has an
+        ``.edit`` component. A ``Components`` sequence: each ``Component`` is made when read."""
         check_granularity(by)
         runs = [Run(None, "embed")]
         for i, terms in enumerate(self.terms_before(stop)):
             for planned in terms:
-                runs.extend(planned.components(i, by, sources))
+                runs.extend(planned.components(i, by, sources, edits))
         return Components(runs)
 
     def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> list[str]:

@@ -35,9 +35,13 @@ class Readout:
             scale of that output's rounding, carried to the logit.
         stream_noise: ``s * sqrt(sum over adds, channels (x_i d_i)^2)``, ``x`` the stream around each residual add
             and ``d`` the direction it is read in: the scale of the adds' rounding, carried to the logit.
-        split_gap: over the split terms (heads, neurons), the projection's own output read along the term's
-            direction minus its parts and bias: the rounding of the projection's low-precision output.
-        split_noise: ``sqrt(sum over split terms, channels (o_i u_i)^2)`` of those outputs ``o``: its scale.
+        split_gap: over the checked split terms (heads, neurons through one projection), what each wrote into the
+            residual stream read along its direction, minus its parts and bias: the rounding of its low-precision
+            output (0 when the call carries edits: then each split term's gap is its ``.edit`` column).
+        split_noise: ``sqrt(sum over those terms, channels k (w_i u_i)^2)`` of those writes ``w``: its scale.
+        split_worst_gap, split_worst_allowed, split_worst_term: the one checked split term whose gap most exceeds
+            its own rounding: its gap, what its rounding allows (``SIGMAS * u * its noise``), and which term it is
+            (``layer * 1024 + index in the block``; -1: none checked). Each term is held to its own rounding.
         finite_head: 1 where the head direction (final norm gain, ``lm_head`` rows) is finite, else 0.
         first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
         unit_roundoff: ``u`` of the dtype the model computed in, read where it ran (server side on NDIF, where the
@@ -56,13 +60,16 @@ class Readout:
     stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_worst_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_worst_allowed: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    split_worst_term: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
     first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
     FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
-                "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "finite_head", "first_nonfinite",
-                "unit_roundoff")
+              "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "split_worst_gap",
+              "split_worst_allowed", "split_worst_term", "finite_head", "first_nonfinite", "unit_roundoff")
 
     def pack(self) -> torch.Tensor:
         """``[batch, n_components + len(FIELDS)]`` float32: everything in one tensor, the cheapest to send back."""

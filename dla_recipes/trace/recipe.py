@@ -81,7 +81,7 @@ def scaled(scores: list, scale: torch.Tensor) -> list:
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
               stop: Stop | None = None, sources: Sources | None = None,
               offsets: torch.Tensor | None = None,
-              rounding: Rounding | None = None) -> tuple[torch.Tensor, list[float]]:
+              rounding: Rounding | None = None, edits: bool = False) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
@@ -89,7 +89,9 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
 
     Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
     ``rounding`` (low precision only) collects what the model's own rounding is bounded with, unscaled: each split
-    term's projection gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``).
+    term's gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``). ``edits``:
+    the forward pass may be edited, so each split term's gap is a column of its own (``L3.mlp.edit``, before its
+    rest): what it wrote beyond its parts and bias.
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -104,7 +106,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     for i, terms in enumerate(plan.terms_before(stop)):
         split = SourceSplit(sources, i, offsets) if by == "source" else None
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
-                                                        fit_errors, split, rounding):
+                                                        fit_errors, split, rounding, edits, i):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -137,6 +139,7 @@ def direct_logit_attribution(
     by: Granularity = "block",
     sources: Sources | None = None,
     offsets: torch.Tensor | None = None,
+    edits: bool = False,
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
@@ -148,6 +151,8 @@ def direct_logit_attribution(
         by: ``"block"``, ``"head"``, ``"neuron"``, ``"expert"`` or ``"source"``.
         sources, offsets: ``by="source"``: the heads split and into how many sources (``plan.Sources``), and
             ``[batch]`` long, where each prompt's own tokens start in the padded sequence.
+        edits: the forward pass may be edited (``intervene=``, ``trace_attribution``): each split term has an
+            ``.edit`` column, what it wrote beyond its parts and bias (``plan.components(by, edits=True)``).
     """
     check_granularity(by)
     with torch.no_grad():
@@ -156,7 +161,7 @@ def direct_logit_attribution(
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
-        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding)
+        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding, edits)
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
@@ -256,11 +261,12 @@ class LogitCall:
     by: Granularity
     sources: Sources | None = None
     offsets: torch.Tensor | None = None
+    edits: bool = False
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
         return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets)
+                                        self.sources, self.offsets, self.edits)
 
 
 @dataclass(frozen=True)

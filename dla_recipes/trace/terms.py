@@ -6,6 +6,13 @@ forward order, what scoring a term needs at the attributed positions; ``score_te
 term's parts and rest; ``layer_scores`` does both for one block (all its reads first, then the arithmetic). How a
 split term's parts are read and scored is its kind's (``PlannedTerm.kind``, fixed by the plan): one module of
 ``trace.kinds`` per kind, chosen from ``KINDS``; this module never asks which family it runs on.
+
+A split term's parts come from its projection's input, so whatever reaches the stream after that projection is not
+in them: an edit of the sublayer's output (steering ``mlp.output``, patching ``self_attn.output``) and, in low
+precision, the rounding of what the projection wrote. So a split term also reads what it really wrote, where it is
+added (``TermReads.written``), and its gap (that write along the direction, minus its parts and rest) is either a
+column of its own (``edits``: the call may carry an edit; labelled ``L3.mlp.edit``) or the rounding the self-check
+holds the term to (``checks_split``: heads and neurons through one projection, in low precision).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class TermReads:
 
     Attributes:
         value: ``[batch, d_model]`` the term's write, read whole (the term is not split at this granularity).
+        written: ``[batch, d_model]`` a split term's write, read whole beside its parts (its gap: an edit, rounding).
         parts: the term's kind's reads record (``LinearReads``, ``SourceReads``, ...) when it is split.
         hyper: ``(post [batch, streams], comb [batch, streams, streams] or None)`` on parallel-stream families.
         post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term.write.post_norm``,
@@ -46,6 +54,7 @@ class TermReads:
     """
 
     value: torch.Tensor | None = None
+    written: torch.Tensor | None = None
     parts: object = None
     hyper: tuple | None = None
     post_norm: FrozenNorm | None = None
@@ -111,11 +120,28 @@ def write_direction(layer, planned: PlannedTerm, v: torch.Tensor):
     return u, constant
 
 
-def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True) -> TermReads:
+def checks_split(planned: PlannedTerm, mode: str | None) -> bool:
+    """Whether the self-check holds this split term's gap to its own rounding in low precision: heads or neurons
+    through one projection, whose parts are the model's own inputs times a float32 pull-back (a recomputed kind's
+    parts carry rounding of their own, held by the sum check only)."""
+    return planned.kind == "linear" and mode in ("heads", "neurons")
+
+
+def roundings(planned: PlannedTerm) -> int:
+    """How many low-precision roundings a split term's write goes through after its projection's sum (the
+    projection's output, a ``then`` map, an output gate, a post-norm's two, a multiplier, a bias)."""
+    term, split = planned.term, planned.term.split
+    return (1 + (getattr(split, "then", None) is not None) + (getattr(split, "output_gate", None) is not None)
+            + 2 * (term.write.post_norm is not None) + (term.write.bias is not None)
+            + (planned.multiplier != 1.0 or term.write.scale is not None))
+
+
+def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True,
+              edits: bool = False) -> TermReads:
     """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``).
 
-    ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: read split projections' own outputs too (their
-    low-precision rounding, for the self-check)."""
+    ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: low precision (a checked split term reads its
+    write whole too, for the self-check); ``edits``: every split term reads its write whole (its ``.edit`` column)."""
     term, batch = planned.term, rows.shape[0]
     reads = TermReads()
     if term.stream.norm is not None:  # the norm on the stream runs before this term's sublayer
@@ -130,17 +156,20 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, ow
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions, own)
         if term.write.post_norm is not None:
             reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), rows, positions, batch)
+        if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
+            reads.written = at(read_site(layer, term.output, batch), rows, positions)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
         reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), rows, positions, batch)
     return reads
 
 
 def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, v: torch.Tensor,
-               outer: FrozenNorm | None, outer_bias: bool, split: sources.SourceSplit | None = None):
+               outer: FrozenNorm | None, outer_bias: bool, split: sources.SourceSplit | None = None,
+               edits: bool = False):
     """``(scores [batch, parts + 1], rounding)``: the term's parts (heads, neurons, experts, head sources; none at
-    block level), then its rest, along ``v`` on the stream; ``rounding`` is a split projection's ``(gap, squared
-    noise)`` ``[batch]`` in low precision, else None. ``split``: for ``mode="sources"``, the block's
-    ``SourceSplit``."""
+    block level), then its rest, along ``v`` on the stream (with ``edits``, ``[batch, parts + 2]``: the parts, the
+    term's gap, its rest); ``rounding`` is a checked split term's ``(gap, squared noise)`` ``[batch]`` in low
+    precision, else None. ``split``: for ``mode="sources"``, the block's ``SourceSplit``."""
     u, rest = write_direction(layer, planned, v)
     if outer is not None:
         if outer_bias:
@@ -148,6 +177,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         u = outer.transpose(u)
     if mode is None:
         return (dot(reads.value, u) + rest).unsqueeze(-1), None
+    written = None if reads.written is None else dot(reads.written, u) + rest  # [batch] what it really wrote
+    noise = None if reads.written is None else roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1)
     if reads.post_norm is not None:
         rest = rest + dot(u, reads.post_norm.bias)
         u = reads.post_norm.transpose(u)
@@ -156,19 +187,26 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     projection_scale = getattr(planned.term.split, "projection_scale", None)  # Heads / Neurons only
     if projection_scale is not None:
         u = u * param(layer, projection_scale).to(u.device)
-    parts, rest, rounding = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
+    parts, rest, _ = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
     rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
-    return torch.cat([parts, rest.unsqueeze(-1)], -1), rounding
+    if written is None:
+        return torch.cat([parts, rest.unsqueeze(-1)], -1), None
+    gap = written.to(parts.device) - parts.sum(-1) - rest  # [batch]: an edit after the projection, or rounding
+    if edits:
+        return torch.cat([parts, gap.unsqueeze(-1), rest.unsqueeze(-1)], -1), None
+    return torch.cat([parts, rest.unsqueeze(-1)], -1), (gap, noise.to(parts.device))
 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
-                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None):
+                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
+                 index: int = 0):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
     ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split``: the block's ``SourceSplit``
-    (``by="source"``). ``rounding`` (low precision only) collects each split term's projection rounding gap and
-    squared noise (``Readout.split_gap``).
+    (``by="source"``). ``rounding`` (low precision only) collects each checked split term's gap and squared noise
+    (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own, before its rest (``score_term``);
+    ``index``: the block's index (names a checked term).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -178,7 +216,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     last_user = {planned.term.write.outer_norm: k for k, planned in enumerate(terms) if planned.term.write.outer_norm}
     reads, outers = [], {}
     for k, planned in enumerate(terms):
-        reads.append(read_term(layer, planned, modes[k], rows, positions, own=rounding is not None))
+        reads.append(read_term(layer, planned, modes[k], rows, positions, own=rounding is not None, edits=edits))
         for path, last in last_user.items():
             if last == k:
                 outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
@@ -190,7 +228,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         path = planned.term.write.outer_norm
         v, stream_constant, after_constant = directions[k]
         score, gap = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
-                                path is not None and path not in biased, split)
+                                path is not None and path not in biased, split, edits)
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
@@ -200,4 +238,5 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         if rounding is not None and gap is not None:
             rounding.split_gaps.append(gap[0])
             rounding.split_noise.append(gap[1])
+            rounding.split_terms.append((index, k))
     return scores

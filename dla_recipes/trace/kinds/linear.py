@@ -4,7 +4,8 @@ The term writes ``projection(inputs)`` (then maybe a second map, ``then``; maybe
 ``Neurons.output_gate``), so its part along a direction ``u`` on its write splits exactly: pull ``u`` back through the
 projection onto its input, ``W^T u`` ``[batch, heads * head_dim]`` or ``[batch, d_mlp]``, and multiply by the inputs
 the model fed it; a head's part is the sum over its ``head_dim`` slice. The projection's bias goes to the term's rest.
-In low precision the projection's own (rounded) output is read too, for the self-check's bound (``rounding``).
+(What the term really wrote, read where it is added, is compared with its parts in ``trace.terms``: its rounding in
+low precision, an edit after the projection.)
 """
 
 from __future__ import annotations
@@ -26,22 +27,18 @@ class LinearReads:
 
     Attributes:
         inputs: ``[batch, in_features]`` the projection's input (heads flattened).
-        own: ``[batch, out_features]`` the projection's own output (low precision only; else None).
         output_gate: ``[batch, out_features]`` ``sigmoid(gate)`` multiplying the output (``Neurons.output_gate``).
     """
 
     inputs: torch.Tensor
-    own: torch.Tensor | None = None
     output_gate: torch.Tensor | None = None
 
 
 def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> LinearReads:
-    """Read the projection's input (and, with ``own``, its output; then the output gate) at the positions."""
+    """Read the projection's input (then the output gate) at the positions; ``own`` is not used."""
     split, batch = planned.term.split, rows.shape[0]
     projection = module_at(layer, split.projection)
     reads = LinearReads(at(read_site(projection, "input", batch), rows, positions).flatten(1))
-    if own and split.then is None:  # the projection's own (low-precision) output: its parts' rounding
-        reads.own = at(read_site(projection, "output", batch), rows, positions).flatten(1)
     gate = split.output_gate if isinstance(split, Neurons) else None
     if gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
         reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, gate), "output", batch),
@@ -63,13 +60,7 @@ def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: t
 
 
 def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None):
-    """``(parts [batch, parts], rest, rounding)``: each head's or neuron's part along ``u``; ``rounding`` is the
-    projection's own output along ``u`` minus its parts and bias, and its squared scale (None in float32)."""
+    """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u``."""
     pulled, u, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
     parts = (reads.inputs * pulled.to(reads.inputs.device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
-    rest = rest + bias
-    rounding = None
-    if reads.own is not None:  # the projection's rounding: its own output along u, minus its parts and bias
-        own = reads.own * u.to(reads.own.device)
-        rounding = (own.sum(-1) - parts.sum(-1) - torch.as_tensor(bias).to(own.device), (own * own).sum(-1))
-    return parts, rest, rounding
+    return parts, rest + bias, None
