@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .args import Granularity, check_call, check_int, per_prompt
+from .args import Granularity, check_call, check_int
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
 from .plan import build_plan
@@ -25,7 +25,7 @@ from .present.attribution import Attribution
 from .result import EDIT_HINT, assemble, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall
-from .transport.batches import groups, offsets, prepare
+from .transport.batches import groups, offsets, prepare, resolve_all
 from .transport.remote import RemoteBatchError
 from .transport.run import run as run_batches
 
@@ -134,12 +134,11 @@ def attribute(
     plan.require(by)
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
-    targets = per_prompt(target, len(prompts), "target")
-    contrasts = None if contrast is None else per_prompt(contrast, len(prompts), "contrast")
+    targets, contrasts = resolve_all(model, prompts, target, contrast)  # every bad token named in one error
     run_groups = groups(model, plan, prompts, batch_size)
     batches = tuple(
         prepare(model, [prompts[i] for i in g], [targets[i] for i in g],
-                None if contrasts is None else [contrasts[i] for i in g], position)
+                None if contrasts is None else [contrasts[i] for i in g], position, rows=g)
         for g in run_groups
     )
     if sources is not None and by != "source":
@@ -219,7 +218,7 @@ def attribute_direction(
         raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
     directions = direction.expand(len(prompts), -1)
     run_groups = groups(model, plan, prompts, batch_size)
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position) for g in run_groups)
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g) for g in run_groups)
     calls = tuple(DirectionCall(plan, b.positions, directions[torch.as_tensor(g)], stop, reads, by)
                   for b, g in zip(batches, run_groups))
     request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,

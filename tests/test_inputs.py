@@ -153,3 +153,106 @@ def test_an_nnsight_language_model_is_loaded_for_the_user(model):
     attr = dla_recipes.attribute(lm, PROMPTS, TARGET)
     reference = dla_recipes.attribute(model, PROMPTS, TARGET)
     torch.testing.assert_close(attr.values, reference.values, atol=1e-5, rtol=1e-5)
+
+
+# -- a dataset's targets: every bad one in one error, by its prompt's index; an unspaced word warned about ---------
+
+
+def test_every_bad_target_and_contrast_is_named_with_its_prompt_in_one_error(model):
+    prompts = PROMPTS + ["w1 w2", "w3"]
+    with pytest.raises(InputError) as caught:
+        dla_recipes.attribute(model, prompts, ["w20", "Paris", "w3 w4", "Paris", "w20"],
+                              contrast=["w21", "w21", "w21", 999, "w5 w6"])
+    message = str(caught.value)
+    assert message.startswith("4 bad tokens, each after the prompts it was given for; fix them all:\n"), message
+    lines = message.splitlines()[1:]
+    assert lines == [
+        "  prompts 1, 3: target 'Paris' is not in the vocabulary (the tokenizer maps it to '[UNK]')",
+        ("  prompt 2: target 'w3 w4' is 2 tokens ['w3', 'w4'], not one: attribute one token (e.g. 'w3') or pass a "
+        "token id"),
+        "  prompt 3: contrast token id 999 is not in the vocabulary (ids 0..127)",
+        ("  prompt 4: contrast 'w5 w6' is 2 tokens ['w5', 'w6'], not one: attribute one token (e.g. 'w5') or pass a "
+        "token id"),
+    ], message
+
+
+def test_one_bad_target_for_all_prompts_says_so_once(model):
+    with pytest.raises(InputError, match=r"^all 3 prompts: target 'Paris' is not in the vocabulary"):
+        dla_recipes.attribute(model, PROMPTS, "Paris")
+    with pytest.raises(InputError, match=r"^prompt 0: target 'Paris' is not in the vocabulary"):
+        dla_recipes.attribute(model, PROMPTS[:1], "Paris")
+
+
+# mamba is padding-unsafe: its prompts (6, 2 and 4 tokens) run one batch each without batch_size
+@pytest.mark.parametrize("family, batch_size", [("llama", 1), ("mamba", None)])
+def test_errors_name_the_users_prompt_index_whatever_the_batches(family, batch_size):
+    model = tiny_model(family)
+    with pytest.raises(InputError, match=r"^prompt 2: target 'w3 w4' is 2 tokens"):
+        dla_recipes.attribute(model, PROMPTS, ["w20", "w21", "w3 w4"], batch_size=batch_size)
+    with pytest.raises(InputError, match=r"position -3 is outside prompt 1 \('w11 w12'\), which has 2 tokens"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, position=-3, batch_size=batch_size)
+
+
+def test_trace_attribution_names_every_bad_target_too(model):
+    bad = r"^2 bad tokens.*\n  prompt 0: target 'Paris'.*\n  prompt 2: target 'w3 w4'"
+    with pytest.raises(InputError, match=bad), model.trace(PROMPTS) as tracer:
+        dla_recipes.trace_attribution(tracer, ["Paris", "w20", "w3 w4"])
+
+
+class _Stub:
+    """Just what ``prepare`` reads of a model: its tokenizer, vocabulary size and config (GPT-2's)."""
+
+    def __init__(self):
+        from transformers import GPT2Config
+
+        from dla_recipes import models
+
+        self.tokenizer = models.gpt2_tokenizer()
+        self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.config = GPT2Config()
+        self.vocab_size = self.config.vocab_size
+
+
+def test_an_unspaced_word_is_attributed_as_given_with_a_warning():
+    """GPT-2's byte-level BPE: "Paris" (40313) and " Paris" (6342) are both single tokens."""
+    import warnings
+
+    from dla_recipes.transport.batches import prepare
+
+    stub = _Stub()
+    prompts = ["The Eiffel Tower is in the city of", "I live in", "Visit\n"]
+    with pytest.warns(UserWarning) as caught:
+        batch = prepare(stub, prompts, "Paris", contrast="London")
+    assert batch.targets.tolist() == [40313] * 3 and batch.target_tokens == ("Paris",) * 3  # as given
+    assert [str(w.message) for w in caught] == [
+        ("target 'Paris' has no leading space, but ' Paris' is one token too (id 6342), the one a model usually "
+        "predicts after a word, and prompts 0, 1 do not end in a space. Attributing 'Paris' (id 40313) as given: "
+        "pass ' Paris' for the spaced word, or the id 40313 to keep 'Paris' without this warning"),
+        ("contrast 'London' has no leading space, but ' London' is one token too (id 3576), the one a model usually "
+        "predicts after a word, and prompts 0, 1 do not end in a space. Attributing 'London' (id 23421) as given: "
+        "pass ' London' for the spaced word, or the id 23421 to keep 'London' without this warning"),
+    ]
+    assert caught[0].filename == __file__  # the warning points at the caller's line, not into the package
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare(stub, prompts, " Paris")  # spaced: the usual case
+        prepare(stub, prompts, 40313)  # an id: on purpose
+        prepare(stub, ["The city of "], "Paris")  # after a space the unspaced token is the natural one
+        prepare(stub, prompts, ",")  # not a word: ' ,' is a token too, but ',' after a word is usual
+
+
+def test_a_word_of_several_tokens_suggests_its_spaced_single_token():
+    from dla_recipes.transport.batches import prepare
+
+    with pytest.raises(InputError, match=r"^all 2 prompts: target 'Rome' is 2 tokens \['R', 'ome'\], not one: attribute "
+                                         r"one token \(' Rome', with its leading space, is one token\) or pass a token id$"):
+        prepare(_Stub(), ["The Colosseum is in", "Go to"], "Rome")
+
+
+def test_the_tiny_word_level_tokenizer_never_warns(model):
+    """Its pre-tokenizer drops spaces: " w20" is "w20", the same token, so there is nothing to warn about."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast="w21")

@@ -51,3 +51,16 @@ def test_paris_is_the_top_prediction(real_model):
     """A sanity check of the converted weights: both models complete the Eiffel prompt with ' Paris'."""
     paris = real_model.tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
     assert int(_plain_logits(real_model, EIFFEL).argmax()) == paris
+
+
+def test_an_unspaced_word_warns_where_the_model_predicts_the_spaced_one(real_model):
+    """``"Paris"`` without its space is attributed as given, with a warning: on both models the spaced token's own
+    logit after the Eiffel prompt is the higher (measured: 13.69 vs 5.82 on SmolLM2, 22.42 vs 15.06 on Gemma 3)."""
+    with pytest.warns(UserWarning, match=r"^target 'Paris' has no leading space, but ' Paris' is one token too"):
+        attr = dla_recipes.attribute(real_model, EIFFEL, "Paris")
+    assert attr.target_tokens == ("Paris",)
+    logits = _plain_logits(real_model, EIFFEL)  # after a trace: the weights are loaded
+    unspaced, spaced = (real_model.tokenizer(w, add_special_tokens=False)["input_ids"] for w in ("Paris", " Paris"))
+    assert len(unspaced) == len(spaced) == 1 and unspaced != spaced
+    assert float(logits[spaced[0]]) > float(logits[unspaced[0]])
+    assert float(attr.logit[0]) == pytest.approx(float(logits[unspaced[0]]), abs=1e-4 * max(1.0, float(attr.logit[0])))

@@ -3,18 +3,34 @@
 ``values.sum(-1) + constant == logit`` for every prompt, to float error (``error`` says how close). Each column is
 a ``Component`` record (layer, term, part, index, source): the views (``blocks``, ``heads``, ``sources``, ``grid``)
 read the records, never the label strings.
+
+It is also a small dataset of prompts: ``attr[i]`` / ``attr[2:5]`` / ``attr[mask]`` select rows, ``len(attr)``
+counts them, ``attr.save(path)`` / ``Attribution.load(path)`` keep it between sessions (``present.storage``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import numbers
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from ..components import parse_label
+from ..errors import InputError
+from . import storage
+
+# ``top(kind=...)``: which components each kind keeps.
+KINDS = {
+    "block": lambda c: c.part is None,  # whole terms, and a split term's rest (its biases)
+    "head": lambda c: c.part == "head",  # heads, whole or by source
+    "source": lambda c: c.source is not None,  # a head's part read from one source position
+    "neuron": lambda c: c.part == "neuron",  # MLP neurons and experts' neurons
+    "expert": lambda c: c.part == "expert",  # routed experts, whole
+    "shared": lambda c: c.part == "shared",  # shared experts, whole
+}
 
 
-@dataclass
+@dataclass(eq=False)
 class Attribution:
     """Per-component contributions to one logit (or logit difference) per prompt.
 
@@ -36,6 +52,8 @@ class Attribution:
             ``norm_fit_error``, ``head_error``, ``scale``.
         components: one ``Component`` per column, in ``labels`` order (read back from the labels when an
             ``Attribution`` is built from labels alone).
+
+    Two attributions are ``==`` when every field is equal (tensors in dtype, shape and value).
     """
 
     values: torch.Tensor
@@ -66,6 +84,87 @@ class Attribution:
     def __len__(self) -> int:
         return self.values.shape[0]
 
+    def __getitem__(self, rows) -> Attribution:
+        """The attribution of some prompts: ``attr[i]`` (one prompt: ``values [1, n_components]``), ``attr[2:5]``,
+        ``attr[[0, 3]]``, ``attr[mask]`` (a bool per prompt), in that order.
+
+        Every per-prompt field follows the rows (``prompts``, ``logit``, ``diagnostics["bound"]``, ...), ``error``
+        is the selected rows' own; ``diagnostics["head_error"]`` and ``["norm_fit_error"]`` stay the whole call's.
+        """
+        index = self._rows(rows)
+        pick = torch.tensor(index, dtype=torch.long)
+
+        def take(value):
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == len(self):
+                return value[pick]
+            if isinstance(value, tuple) and len(value) == len(self):
+                return tuple(value[i] for i in index)
+            return value
+
+        chosen = {f.name: take(getattr(self, f.name)) for f in fields(self) if f.name not in ("labels", "components")}
+        chosen["diagnostics"] = {key: take(value) for key, value in self.diagnostics.items()}
+        gaps = (chosen["values"].sum(-1) + chosen["constant"] - chosen["logit"]).abs()
+        chosen["error"] = float(gaps.max()) if len(index) else 0.0
+        return replace(self, **chosen)
+
+    def _rows(self, rows) -> list[int]:
+        """``rows`` (an int, a slice, a sequence of ints, a bool mask) as a list of row indices."""
+        n = len(self)
+        if isinstance(rows, slice):
+            return list(range(n))[rows]
+        if isinstance(rows, (str, bytes)):
+            raise TypeError(f"attr[{rows!r}]: index rows (prompts) with an int, a slice, a list of ints or a bool "
+                            "mask; a component's values are attr.values[:, attr.labels.index(label)]")
+        single = isinstance(rows, numbers.Integral) or getattr(rows, "ndim", None) == 0
+        items = rows.tolist() if hasattr(rows, "tolist") else rows
+        items = [items] if single else list(items)
+        if items and all(isinstance(item, bool) for item in items):
+            if len(items) != n:
+                raise IndexError(f"a mask of {len(items)} bools for an attribution of {n} prompts")
+            return [i for i, keep in enumerate(items) if keep]
+        index = []
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+                raise TypeError(f"attr[{rows!r}]: rows are ints (or one bool per prompt), not {item!r}")
+            if not -n <= item < n:
+                raise IndexError(f"prompt {item} is outside this attribution of {n} prompts")
+            index.append(int(item) % n)
+        return index
+
+    def __iter__(self):
+        """One-prompt attributions, in order (``attr[0]``, ``attr[1]``, ...)."""
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Attribution):
+            return NotImplemented
+        return all(storage.same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+    __hash__ = None
+
+    def save(self, path=None):
+        """Write this attribution to a file (``torch.save`` of its fields); ``Attribution.load(path)`` reads it
+        back equal. Returns the path.
+
+        This is the package's own ``save``, not nnsight's ``.save()`` (which nnsight mounts on every object to keep
+        a value out of a trace): an ``Attribution`` is made after the trace, so there is nothing to keep. Inside a
+        trace ``attr.save()`` without a path still marks it as nnsight would (``nnsight.save(attr)``).
+        """
+        if path is None:
+            try:
+                import nnsight
+
+                return nnsight.save(self)
+            except (ImportError, ValueError):
+                raise TypeError("Attribution.save(path) writes the attribution to a file: give a path, e.g. "
+                                "attr.save('attribution.pt'); Attribution.load(path) reads it back") from None
+        return storage.save(self, path)
+
+    @classmethod
+    def load(cls, path) -> Attribution:
+        """The attribution ``save(path)`` wrote (read with ``torch.load(..., weights_only=True)``)."""
+        return cls(**storage.load(path))
+
     def to_frame(self):
         """A pandas DataFrame: one row per component, one column per prompt (plus ``constant`` and ``logit`` rows)."""
         import pandas as pd
@@ -77,18 +176,33 @@ class Attribution:
         )
         return pd.concat([frame, extra])
 
-    def top(self, k: int = 10, prompt: int = 0, by_abs: bool = True):
+    def top(self, k: int = 10, prompt: int | None = 0, by_abs: bool = True, kind: str | None = None):
         """The ``k`` largest contributions for one prompt, as a DataFrame (``component``, ``value``, ``share``).
 
         ``share`` is the value over the logit the parts sum to. ``by_abs=False`` ranks by signed value.
+        ``prompt=None``: the mean over the prompts (``share`` over the mean logit). ``kind``: only components of
+        one kind: ``"head"``, ``"neuron"``, ``"expert"``, ``"shared"``, ``"source"`` or ``"block"`` (whole terms
+        and split terms' rests); default: all.
         """
         import pandas as pd
 
-        if not -len(self) <= prompt < len(self):
-            raise IndexError(f"prompt {prompt} is outside this attribution of {len(self)} prompts")
-        row = self.values[prompt]
-        order = torch.argsort(row.abs() if by_abs else row, descending=True)[:k]
-        logit = float(self.logit[prompt])
+        if prompt is None:
+            row, logit = self.values.mean(0), float(self.logit.mean())
+        else:
+            if not -len(self) <= prompt < len(self):
+                raise IndexError(f"prompt {prompt} is outside this attribution of {len(self)} prompts")
+            row, logit = self.values[prompt], float(self.logit[prompt])
+        columns = torch.arange(len(self.labels))
+        if kind is not None:
+            if kind not in KINDS:
+                raise InputError(f"kind={kind!r}: use one of {', '.join(map(repr, KINDS))}, or None for all")
+            keep = KINDS[kind]
+            columns = torch.tensor([j for j, c in enumerate(self.components) if keep(c)], dtype=torch.long)
+            if not len(columns):
+                raise InputError(f"this attribution (by={self.by!r}) has no {kind} components"
+                                 + ("" if kind in ("block", "shared") else f": attribute with by={kind!r}"))
+        chosen = row[columns]
+        order = columns[torch.argsort(chosen.abs() if by_abs else chosen, descending=True)[:k]]
         return pd.DataFrame(
             {
                 "component": [self.labels[i] for i in order.tolist()],
@@ -159,9 +273,31 @@ class Attribution:
         return out
 
     def __repr__(self) -> str:
-        contrast = f" - {list(self.contrast_tokens)}" if self.contrast_tokens else ""
-        what = f"direction read by {self.read_by}" if self.read_by else f"target {list(self.target_tokens)}{contrast}"
-        return (
-            f"Attribution({self.family}, by={self.by!r}, {len(self)} prompt(s) x {len(self.labels)} components, "
-            f"{what}, logit {self.logit.tolist()}, error {self.error:.2e})"
-        )
+        """One short line whatever the number of prompts: the tokens and logits summarised past a few."""
+        n = len(self)
+        what = f"direction read by {self.read_by}" if self.read_by else f"target {tokens(self.target_tokens)}"
+        if self.contrast_tokens:
+            what += f" - {tokens(self.contrast_tokens)}"
+        if n <= 4:
+            logit = "logit [" + ", ".join(f"{v:.4g}" for v in self.logit.tolist()) + "]"
+        else:
+            logit = (f"logit mean {float(self.logit.mean()):.4g} (min {float(self.logit.min()):.4g}, max "
+                     f"{float(self.logit.max()):.4g})")
+        prompt = f", prompt {short(self.prompts[0], 40)}" if n == 1 and self.prompts else ""
+        return (f"Attribution({self.family}, by={self.by!r}, {n} prompt{'s' if n != 1 else ''} x {len(self.labels)} "
+                f"components{prompt}, {what}, {logit}, error {self.error:.2e})")
+
+
+def short(text: str, width: int = 24) -> str:
+    """``repr(text)``, cut to about ``width`` characters."""
+    return repr(text) if len(text) <= width else repr(text[: width - 1] + "…")
+
+
+def tokens(values) -> str:
+    """The distinct tokens of a column, short: ``' Paris'``, ``[' Paris', ' Rome']`` or ``7 tokens (' Paris', ...)``."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) == 1:
+        return short(distinct[0])
+    if len(distinct) <= 3:
+        return "[" + ", ".join(short(t) for t in distinct) + "]"
+    return f"{len(distinct)} tokens (" + ", ".join(short(t) for t in distinct[:3]) + ", ...)"

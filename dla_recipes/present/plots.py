@@ -10,23 +10,25 @@ brings all three, and a figure function without plotly raises an ImportError tha
     plots.sources_heatmap(attr, toks) # the strongest heads x the source tokens they read (by="source")
     plots.top_bar(attr, k=20)         # the k largest components (heads, neurons, experts, blocks)
     plots.top_table(attr, k=10)       # the same as a table with bars (a pandas Styler)
-    plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot
+    plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot;
+                                      # in a script: an HTML file (its path printed)
 
 Each figure function returns a ``plotly.graph_objects.Figure``; ``fig.show()`` works as usual in Jupyter. ``show``
 is what the docs use: one output carrying plotly's own JSON (JupyterLab, VS Code), an HTML div drawn with the page's
-plotly.js (the docs site loads it once), and a PNG that stays in place wherever plotly.js does not run.
+plotly.js (the docs site loads it once), and a PNG that stays in place wherever plotly.js does not run; in a script
+it writes an HTML page (``present.display``). ``prompt=None`` in any figure function: the mean over the prompts.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import json
 import math
-import uuid
 
 import torch
+
+from .display import PlotDisplay, in_notebook, show, static_png
+
+__all__ = ["PlotDisplay", "block_values", "blocks_bar", "heads_heatmap", "in_notebook", "show", "source_matrix",
+           "sources_heatmap", "static_png", "top_bar", "top_table"]
 
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
            "ple": "#9467bd"}
@@ -45,24 +47,39 @@ def _plotly():
     return go
 
 
-def _title(attr, prompt: int, what: str, quantity: str | None = None) -> str:
-    """``what: quantity = value``; ``quantity`` defaults to the attributed logit (difference)."""
+def _title(attr, prompt: int | None, what: str, quantity: str | None = None) -> str:
+    """``what: quantity = value``; ``quantity`` defaults to the attributed logit (difference). ``prompt=None``:
+    ``what: mean quantity over N prompts = value``."""
     if quantity is None:
-        target = attr.target_tokens[prompt] if attr.target_tokens else "target"
-        quantity = f"logit({target!r})"
+        def token(tokens, name: str) -> str:  # the prompt's token, or the one token of all prompts, else its name
+            distinct = set(tokens) if prompt is None else {tokens[prompt]}
+            return repr(distinct.pop()) if len(distinct) == 1 else name
+
+        quantity = f"logit({token(attr.target_tokens, 'target') if attr.target_tokens else 'target'})"
         if attr.contrast_tokens:
-            quantity = f"logit({target!r}) - logit({attr.contrast_tokens[prompt]!r})"
+            quantity += f" - logit({token(attr.contrast_tokens, 'contrast')})"
+    if prompt is None:
+        return f"{what}: mean {quantity} over {len(attr)} prompts = {float(attr.logit.mean()):.3f}"
     return f"{what}: {quantity} = {float(attr.logit[prompt]):.3f}"
 
 
-def _check_prompt(attr, prompt: int) -> int:
+def _check_prompt(attr, prompt: int | None) -> int | None:
+    """``prompt`` as a row index, or None (the mean over the prompts)."""
+    if prompt is None:
+        return None
     if not -len(attr) <= prompt < len(attr):
         raise IndexError(f"prompt {prompt} is outside this attribution of {len(attr)} prompts")
     return prompt % len(attr)
 
 
-def block_values(attr, prompt: int = 0):
-    """A pandas Series: the contributions per block term (``embed``, ``L0.attn``, ``L0.mlp``, ...) of one prompt.
+def _row(values: torch.Tensor, prompt: int | None) -> torch.Tensor:
+    """``values[prompt]``, or the mean over the prompts (dim 0) for ``prompt=None``."""
+    return values.mean(0) if prompt is None else values[prompt]
+
+
+def block_values(attr, prompt: int | None = 0):
+    """A pandas Series: the contributions per block term (``embed``, ``L0.attn``, ``L0.mlp``, ...) of one prompt
+    (``prompt=None``: the mean over the prompts).
 
     At head / neuron / expert granularity the parts are summed into their block (``Attribution.blocks()``), so the
     Series is the one an attribution ``by="block"`` gives, up to float rounding.
@@ -71,15 +88,16 @@ def block_values(attr, prompt: int = 0):
 
     prompt = _check_prompt(attr, prompt)
     blocks = attr.blocks() if attr.by != "block" else attr
-    return pd.Series(blocks.values[prompt].double().numpy(), index=pd.Index(blocks.labels, name="component"),
+    return pd.Series(_row(blocks.values, prompt).double().numpy(), index=pd.Index(blocks.labels, name="component"),
                      name="value")
 
 
-def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
+def blocks_bar(attr, prompt: int | None = 0, quantity: str | None = None):
     """A bar per block term, in forward order, coloured by kind (attention, MLP, mixer, experts, embedding).
 
     Works at any granularity (parts are summed into their block, see ``block_values``). The title holds the logit
-    the bars and the constant sum to.
+    the bars and the constant sum to. ``prompt=None`` (here and in every figure function): the mean over the
+    prompts, and the mean logit.
     """
     go = _plotly()
 
@@ -87,7 +105,7 @@ def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
     series = block_values(attr, prompt)
     blocks = attr.blocks() if attr.by != "block" else attr
     term_of = {label: component.term for label, component in zip(blocks.labels, blocks.components)}
-    logit = float(attr.logit[prompt])
+    logit = float(_row(attr.logit, prompt))
     fig = go.Figure()
     kinds = dict.fromkeys(term_of[label] for label in series.index)
     for kind in kinds:
@@ -108,7 +126,7 @@ def blocks_bar(attr, prompt: int = 0, quantity: str | None = None):
     return fig
 
 
-def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
+def heads_heatmap(attr, prompt: int | None = 0, quantity: str | None = None):
     """A layers x heads heatmap of the heads' contributions (an attribution ``by="head"``), diverging at 0.
 
     Layer 0 is at the top; a cell with no head (a block without attention) is left blank. ``quantity`` names
@@ -118,7 +136,7 @@ def heads_heatmap(attr, prompt: int = 0, quantity: str | None = None):
     go = _plotly()
 
     prompt = _check_prompt(attr, prompt)
-    grid = attr.grid("H")[prompt]  # [layers, heads], NaN where absent
+    grid = _row(attr.grid("H"), prompt)  # [layers, heads], NaN where absent
     z = [[None if math.isnan(v) else round(float(v), 6) for v in row] for row in grid.tolist()]
     bound = float(torch.nan_to_num(grid.abs(), nan=0.0).max()) or 1.0
     fig = go.Figure(go.Heatmap(
@@ -167,9 +185,7 @@ def sources_heatmap(attr, tokens, prompt: int | None = 0, k: int = 10, quantity:
         hovertemplate="%{y} reading %{x}: %{z:.4f}<extra></extra>",
     ))
     what = f"Heads by source token ({attr.family})"
-    title = _title(attr, 0 if prompt is None else prompt, what, quantity)
-    if prompt is None:
-        title = f"{what}: mean over {len(attr)} prompts"
+    title = _title(attr, None if prompt is None else _check_prompt(attr, prompt), what, quantity)
     fig.update_layout(
         title=dict(text=title, x=0.01, xanchor="left"),
         xaxis=dict(title="source token", side="top", tickangle=-45), yaxis=dict(title="head", autorange="reversed"),
@@ -179,12 +195,13 @@ def sources_heatmap(attr, tokens, prompt: int | None = 0, k: int = 10, quantity:
     return fig
 
 
-def top_bar(attr, k: int = 20, prompt: int = 0, quantity: str | None = None):
-    """Horizontal bars of the ``k`` largest components by absolute value (largest at the top)."""
+def top_bar(attr, k: int = 20, prompt: int | None = 0, quantity: str | None = None, kind: str | None = None):
+    """Horizontal bars of the ``k`` largest components by absolute value (largest at the top); ``kind``: only
+    heads, neurons, ... (``Attribution.top``)."""
     go = _plotly()
 
     prompt = _check_prompt(attr, prompt)
-    top = attr.top(k, prompt)
+    top = attr.top(k, prompt, kind=kind)
     colors = ["#d62728" if v < 0 else "#1f77b4" for v in top["value"]]
     fig = go.Figure(go.Bar(
         x=top["value"].tolist(), y=top["component"].tolist(), orientation="h", marker_color=colors,
@@ -202,8 +219,9 @@ def top_bar(attr, k: int = 20, prompt: int = 0, quantity: str | None = None):
     return fig
 
 
-def top_table(attr, k: int = 10, prompt: int = 0, quantity: str | None = None):
-    """The ``k`` largest components as a pandas ``Styler``: signed values, shares, and bars centred at 0.
+def top_table(attr, k: int = 10, prompt: int | None = 0, quantity: str | None = None, kind: str | None = None):
+    """The ``k`` largest components as a pandas ``Styler``: signed values, shares, and bars centred at 0
+    (``kind``: only heads, neurons, ..., as in ``Attribution.top``).
 
     The bars sit in a last, unlabelled column of their own (negative to the left, positive to the right), clear of
     the numbers. The HTML table carries the class ``dla-top-table``.
@@ -213,7 +231,7 @@ def top_table(attr, k: int = 10, prompt: int = 0, quantity: str | None = None):
         import jinja2  # noqa: F401  (pandas' Styler renders with it)
     except ImportError as error:
         raise ImportError(f"dla_recipes.plots.top_table styles a pandas table, which needs jinja2: {_INSTALL}") from error
-    top = attr.top(k, prompt)
+    top = attr.top(k, prompt, kind=kind)
     top[""] = top["value"]  # the bars get a column of their own, so a long negative bar never covers a number
     return (
         top.style.format({"value": "{:+.4f}", "share": "{:+.1%}", "": lambda _: ""})
@@ -223,118 +241,3 @@ def top_table(attr, k: int = 10, prompt: int = 0, quantity: str | None = None):
         .set_table_attributes('class="dla-top-table"')
         .set_caption(_title(attr, prompt, f"Top {len(top)} by {attr.by}", quantity))
     )
-
-
-# --- display ---------------------------------------------------------------------------------------------------------
-
-
-def static_png(fig, width: int = 900) -> bytes | None:
-    """A PNG of a figure made by this module (bars and heatmaps), drawn with matplotlib; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    import numpy as np
-
-    layout = fig.layout
-    meta = layout.meta if isinstance(layout.meta, dict) else {}
-    height = int(layout.height or 420)
-    w = int(layout.width or meta.get("static_width") or width)
-    figure, ax = plt.subplots(figsize=(w / 100, height / 100), dpi=100)
-    columns: dict = {}  # vertical bars of all traces, drawn together in the x axis' category order
-    for trace in fig.data:
-        if trace.type == "heatmap":
-            z = np.array([[np.nan if v is None else v for v in row] for row in trace.z], dtype=float)
-            bound = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
-            image = ax.imshow(z, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
-            ax.set_xticks(range(len(trace.x)), list(trace.x), fontsize=7)
-            ax.set_yticks(range(len(trace.y)), list(trace.y), fontsize=7)
-            ax.xaxis.tick_top()
-            label = trace.colorbar.title.text if trace.colorbar and trace.colorbar.title else None
-            figure.colorbar(image, ax=ax, label=label or "")
-        elif trace.type == "bar" and trace.orientation == "h":
-            ax.barh(list(trace.y), list(trace.x), color=trace.marker.color or _COLORS["attn"])
-            ax.invert_yaxis()
-            ax.axvline(0, color="black", linewidth=0.6)
-        elif trace.type == "bar":
-            spread = trace.error_y.array if trace.error_y and trace.error_y.array is not None else [None] * len(trace.x)
-            for x, y, e in zip(trace.x, trace.y, spread):
-                columns[x] = (y, trace.marker.color or _COLORS["attn"], trace.name, e)
-    if columns:
-        order = list(layout.xaxis.categoryarray or columns)
-        order = [x for x in order if x in columns] + [x for x in columns if x not in order]
-        errors = [columns[x][3] for x in order]
-        ax.bar(range(len(order)), [columns[x][0] for x in order], color=[columns[x][1] for x in order],
-               yerr=None if all(e is None for e in errors) else [e or 0.0 for e in errors], error_kw={"linewidth": 0.6})
-        ax.set_xticks(range(len(order)), order, rotation=90, fontsize=6 if len(order) > 20 else 8)
-        ax.set_xlim(-0.6, len(order) - 0.4)
-        ax.axhline(0, color="black", linewidth=0.6)
-        names = dict.fromkeys((columns[x][2], columns[x][1]) for x in order)
-        if len(names) > 1:
-            from matplotlib.patches import Patch
-
-            ax.legend(handles=[Patch(color=c, label=n) for n, c in names], fontsize=7)
-    if layout.yaxis.title and layout.yaxis.title.text and not any(t.type == "heatmap" for t in fig.data):
-        ax.set_ylabel(layout.yaxis.title.text, fontsize=8)
-    title = layout.title.text if layout.title and layout.title.text else ""
-    ax.set_title(title, fontsize=9)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return buffer.getvalue()
-
-
-class PlotDisplay:
-    """What ``show`` returns: a notebook output with plotly JSON, an HTML div (+ PNG fallback) and a PNG."""
-
-    def __init__(self, fig, div_id: str | None = None, static: bool = True):
-        self.fig = fig
-        meta = fig.layout.meta if isinstance(fig.layout.meta, dict) else {}
-        self.kind = meta.get("dla_plot", "figure")
-        self.div_id = div_id or f"dla-{self.kind.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
-        self.png = static_png(fig) if static else None
-
-    def html(self) -> str:
-        """A div drawn by the page's plotly.js (``window.Plotly``); the static PNG stays where there is none."""
-        spec = self.fig.to_json().replace("</", "<\\/")
-        title = self.fig.layout.title.text if self.fig.layout.title and self.fig.layout.title.text else self.kind
-        image = ""
-        if self.png is not None:
-            data = base64.b64encode(self.png).decode()
-            image = f'<img class="dla-plot-static" alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
-        div_id = html.escape(self.div_id)
-        return (
-            f'<div class="dla-plot" data-dla-plot="{html.escape(self.kind)}">{image}'
-            f'<div id="{div_id}" class="dla-plotly" style="display:none"></div>'
-            "<script>(function () {"
-            f"var spec = {spec}; var id = {json.dumps(self.div_id)};"
-            "function draw() { var div = document.getElementById(id);"
-            " if (!window.Plotly || !div || div.dataset.drawn) return; div.dataset.drawn = '1'; div.style.display = '';"
-            " Plotly.newPlot(div, spec.data, spec.layout, {responsive: true, displaylogo: false, displayModeBar: 'hover'});"
-            " var img = div.parentNode.querySelector('.dla-plot-static'); if (img) img.remove(); }"
-            "if (document.readyState === 'loading') document.addEventListener('DOMContentLoaded', draw); else draw();"
-            "})();</script></div>"
-        )
-
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        bundle = {
-            "application/vnd.plotly.v1+json": json.loads(self.fig.to_json()),
-            "text/html": self.html(),
-            "text/plain": f"<{self.kind} figure: {self.fig.layout.title.text or ''}>",
-        }
-        if self.png is not None:
-            bundle["image/png"] = base64.b64encode(self.png).decode()
-        return bundle
-
-
-def show(fig, div_id: str | None = None, static: bool = True) -> PlotDisplay:
-    """Display a figure in a notebook so it renders everywhere; ``div_id`` names the HTML element (default: unique).
-
-    JupyterLab and VS Code draw plotly's JSON; a page that loads plotly.js (the docs site) draws the HTML div;
-    anything else shows the static PNG (``static=False`` leaves it out).
-    """
-    return PlotDisplay(fig, div_id=div_id, static=static)
