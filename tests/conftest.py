@@ -5,6 +5,9 @@ With ``DLA_RECORD=<path>`` set, every call of the public entry points (``dla_rec
 the call within that test)``: the returned ``Attribution``'s fields (tensors cloned to CPU) or the exception's class,
 saved with ``torch.save`` at the end of the session. ``benchmarks/compare_records.py BEFORE AFTER`` compares two
 such files: a refactoring that changes no number gives bit-identical records.
+
+With ``DLA_MUTANT=<name>`` set, the package is patched with that planted fault (``tests/mutants.py``) at import, and
+the session's header says so; ``test_mutants.py`` runs a few tests that way and expects them to fail.
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ import dla_recipes  # the nnterp shim, before nnterp
 from dla_recipes.testing import tiny
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# -- a planted fault (DLA_MUTANT=<name>, tests/mutants.py): the package patched before any test runs --------------------
+
+MUTANT_HEADER = None
+if os.environ.get("DLA_MUTANT"):
+    import mutants
+
+    MUTANT_HEADER = mutants.apply(os.environ["DLA_MUTANT"])
+
+
+def pytest_report_header(config):
+    """Say which mutant this session runs under (``test_mutants`` checks the line is there)."""
+    return MUTANT_HEADER
 
 # -- the attribution recorder (DLA_RECORD=<path>) -------------------------------------------------------------------
 
@@ -154,6 +170,18 @@ def _install_recorder(path: str) -> _Recorder:
 
 
 RECORDER = _install_recorder(os.environ["DLA_RECORD"]) if os.environ.get("DLA_RECORD") else None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The mutant this session runs under (``test_mutants`` checks the line), and the mutants' kill table when
+    ``test_mutants`` ran in this session."""
+    if MUTANT_HEADER is not None:
+        terminalreporter.write_line(MUTANT_HEADER)
+    module = sys.modules.get("test_mutants")
+    if module is not None and getattr(module, "RESULTS", None):
+        terminalreporter.section("mutants")
+        for line in module.summary_lines():
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
