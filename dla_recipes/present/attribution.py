@@ -27,6 +27,7 @@ KINDS = {
     "neuron": lambda c: c.part == "neuron",  # MLP neurons and experts' neurons
     "expert": lambda c: c.part == "expert",  # routed experts, whole
     "shared": lambda c: c.part == "shared",  # shared experts, whole
+    "edit": lambda c: c.part == "edit",  # what a split term wrote beyond its parts and bias (an edited pass)
 }
 
 
@@ -181,8 +182,9 @@ class Attribution:
 
         ``share`` is the value over the logit the parts sum to. ``by_abs=False`` ranks by signed value.
         ``prompt=None``: the mean over the prompts (``share`` over the mean logit). ``kind``: only components of
-        one kind: ``"head"``, ``"neuron"``, ``"expert"``, ``"shared"``, ``"source"`` or ``"block"`` (whole terms
-        and split terms' rests); default: all.
+        one kind: ``"head"``, ``"neuron"``, ``"expert"``, ``"shared"``, ``"source"``, ``"block"`` (whole terms
+        and split terms' rests) or ``"edit"`` (``L3.mlp.edit``: an edited pass's writes after a projection);
+        default: all.
         """
         import pandas as pd
 
@@ -200,7 +202,7 @@ class Attribution:
             columns = torch.tensor([j for j, c in enumerate(self.components) if keep(c)], dtype=torch.long)
             if not len(columns):
                 raise InputError(f"this attribution (by={self.by!r}) has no {kind} components"
-                                 + ("" if kind in ("block", "shared") else f": attribute with by={kind!r}"))
+                                 + ("" if kind in ("block", "shared", "edit") else f": attribute with by={kind!r}"))
         chosen = row[columns]
         order = columns[torch.argsort(chosen.abs() if by_abs else chosen, descending=True)[:k]]
         return pd.DataFrame(
