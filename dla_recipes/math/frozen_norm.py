@@ -14,7 +14,11 @@ makes the norm linear, so the parts of a decomposed stream pass through it one b
 
 The scale is then fitted at the real stream from the norm's real output (least squares per position), so the
 frozen map reproduces the module's own output to rounding, in whatever precision the module computed it:
-``frozen(stream) + frozen.bias == norm(stream)``.
+``frozen(stream) + frozen.bias == norm(stream)``. A low-precision output was rounded after the scale was applied,
+and a fit to it carries that rounding into every part as one common factor (3.6e-4 on SmolLM2 in bfloat16): so in
+bfloat16 / float16 the scale is recomputed in float32 from the stream itself, ``1 / sqrt(mean(center(x)**2) + eps)``
+(as the model computes it), and kept when it agrees with the fit to the output's rounding (else the fit is kept:
+a module of another form).
 
 Every call here is an ordinary module call outside a trace, and an ad hoc envoy call inside one (nnsight stands
 the trace down for it), so a ``FrozenNorm`` can be built server side in a remote trace.
@@ -53,13 +57,15 @@ class NormProbe:
         bias: ``[d_model]`` float32, the norm's output on zeros.
         gain: ``[d_model]`` float32, the per-channel gain (``w``, or ``1 + w`` on Gemma).
         centers: whether the norm subtracts the mean (LayerNorm) or not (RMSNorm).
-        eps: the epsilon the probes imply (diagnostic only: the frozen scale is fitted, not computed from it).
+        eps: the epsilon the probes imply (the scale is computed with it in low precision, else fitted).
+        dtype: the dtype of the norm's weights (its output is rounded to it; float32 for a norm without weights).
     """
 
     bias: torch.Tensor
     gain: torch.Tensor
     centers: bool
     eps: float
+    dtype: torch.dtype = torch.float32
 
     def center(self, x: torch.Tensor) -> torch.Tensor:
         """``center(x)`` on the last axis: the mean removed if the norm centers, ``x`` unchanged otherwise."""
@@ -67,7 +73,8 @@ class NormProbe:
 
     def to(self, device) -> NormProbe:
         """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU)."""
-        return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps)
+        return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps,
+                         dtype=self.dtype)
 
     def freeze(self, stream: torch.Tensor, output: torch.Tensor | None = None, norm=None) -> FrozenNorm:
         """Freeze the scale at ``stream`` ``[..., d_model]``; ``output`` is the norm's real output there (or call ``norm``)."""
@@ -88,6 +95,7 @@ def probe_norm(norm, width: int | None = None) -> NormProbe:
     module = getattr(norm, "_module", norm)
     d_model = _width(module, width)
     dtype, device = _norm_dtype(module), _norm_device(module)
+    weights = dtype
     with torch.no_grad():
         probes = torch.zeros(4, d_model, dtype=torch.float32)
         probes[1] = 1.0
@@ -115,7 +123,7 @@ def probe_norm(norm, width: int | None = None) -> NormProbe:
             shifted = torch.roll(alternating, 1)
             out_shifted = norm(shifted.to(device=device, dtype=dtype)[None]).float().cpu()[0] - bias
             gain[~mask] = out_shifted[~mask] / shifted[~mask] * (1.0 + eps) ** 0.5
-    return NormProbe(bias=bias.to(device), gain=gain.to(device), centers=centers, eps=eps)
+    return NormProbe(bias=bias.to(device), gain=gain.to(device), centers=centers, eps=eps, dtype=weights)
 
 
 def _call_at_compute_precision(norm, probes: torch.Tensor, dtype: torch.dtype):
@@ -152,6 +160,16 @@ def _width(module, width: int | None = None) -> int:
     )
 
 
+def _computed_scale(probe: NormProbe, x: torch.Tensor, fitted: torch.Tensor, eps_out: float) -> torch.Tensor:
+    """``[...]``: the scale ``1 / sqrt(mean(center(x)**2) + eps)`` computed in float32 from the stream ``x``, where
+    it agrees with the ``fitted`` one to a few roundings of the output (``eps_out``: its dtype's machine epsilon);
+    elsewhere the fitted scale."""
+    centered = probe.center(x)
+    computed = torch.rsqrt((centered * centered).mean(-1) + probe.eps)
+    agrees = (computed / fitted.where(fitted != 0, torch.ones_like(fitted)) - 1).abs() <= 4 * eps_out
+    return torch.where(agrees & (fitted != 0), computed, fitted)
+
+
 class FrozenNorm(torch.nn.Module):
     """A norm frozen at the real stream it read: ``frozen(x) = gain * center(x) * scale``, linear in ``x``.
 
@@ -184,6 +202,8 @@ class FrozenNorm(torch.nn.Module):
             fitted = direction * scale.unsqueeze(-1)
             reference = float(output.float().abs().max()) if output.numel() else 1.0
             self.fit_error = float((fitted - y).abs().max()) / max(reference, 1e-30) if output.numel() else 0.0
+            if probe.dtype in (torch.bfloat16, torch.float16) and output.numel():
+                scale = _computed_scale(probe, x, scale, torch.finfo(probe.dtype).eps)
         self.probe = probe
         self.bias, self.gain, self.centers, self.scale = probe.bias, probe.gain, probe.centers, scale
 

@@ -1,0 +1,217 @@
+"""Edits after a sublayer's projection (issue 22, items 1-3): attributed as ``L{i}.{term}.edit``, caught when unknown.
+
+A split term's heads or neurons are read from its projection's input, so an edit of what the sublayer writes
+(steering ``mlp.output``, patching ``self_attn.output``) is in none of them. With ``intervene=`` (or inside
+``trace_attribution``) each split term has an ``.edit`` column holding what it wrote beyond its parts and bias; the
+reference here is always the model's own: a plain transformers forward with the same edit made by a torch hook,
+and the steering vector's own share computed from first principles (the final norm frozen at the real stream,
+written in the test). An edit the package does not know of (a torch hook on the projection) must raise in
+bfloat16 too, naming the term, not pass under the stream's looser bound.
+"""
+
+import pytest
+import torch
+
+import dla_recipes
+from dla_recipes import models
+
+EIFFEL = "The Eiffel Tower is in the city of"
+CORRUPT = "The Colosseum is in the city of"
+
+
+def _load(name: str, dtype):
+    model = dla_recipes.load(models.REGISTRY[name](), dtype=dtype, device_map="cpu")
+    dla_recipes.attribute(model, "a b", " Paris")  # dispatch the weights once: torch hooks go on the real modules
+    return model
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def bf16_model(request):
+    return _load(request.param, torch.bfloat16)
+
+
+def _decoder(model):
+    hf = model._module
+    return hf.model.language_model if hasattr(hf.model, "language_model") else hf.model
+
+
+def _ids(model, tokens):
+    return [model.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in tokens]
+
+
+def _plain(model, prompt: str, hooks=()):
+    """``(logits [vocab] at the last position, final norm input [d_model])`` of a plain transformers forward of
+    ``prompt`` alone, with ``hooks`` ``[(module, fn)]`` registered as forward hooks for the call."""
+    seen = {}
+    handles = [module.register_forward_hook(fn) for module, fn in hooks]
+    handles.append(_decoder(model).norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0])))
+    try:
+        ids = model.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            logits = model._module(**ids).logits[0, -1].float()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, seen["x"][0, -1].float()
+
+
+def _direct_share(model, vector: torch.Tensor, stream: torch.Tensor, target: int, contrast: int) -> float:
+    """What ``vector`` added to the stream contributes to ``logit(target) - logit(contrast)`` through the final
+    RMSNorm frozen at the real ``stream`` (gain ``w`` on Llama, ``1 + w`` on Gemma), from first principles."""
+    norm = _decoder(model).norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    weight = norm.weight.float()
+    gain = 1 + weight if "Gemma" in type(norm).__name__ else weight
+    scale = torch.rsqrt((stream * stream).mean() + eps)
+    rows = model._module.lm_head.weight.float()
+    logit_scale = 1.0
+    return float(logit_scale * scale * (vector.float() * gain * (rows[target] - rows[contrast])).sum())
+
+
+def _vector(model, target: int, contrast: int, seed: int) -> torch.Tensor:
+    """``[d_model]``: a random steering vector plus a push along the logit difference's unembedding rows (so its
+    share of the logit is a few hundredths to tenths, as the issue's)."""
+    rows = model._module.lm_head.weight.float()
+    push = rows[target] - rows[contrast]
+    d = push.shape[0]
+    return torch.randn(d, generator=torch.Generator().manual_seed(seed)) * 0.5 + 2 * push / push.norm()
+
+
+def _steer(layer: int, vec: torch.Tensor):
+    def fn(mm):
+        mm.layers[layer].mlp.output[:, -1] += vec.to(mm.lm_head.weight.dtype)
+    return fn
+
+
+def _steer_hook(vec):
+    def hook(module, args, output):
+        output = output.clone()
+        output[:, -1] += vec.to(output.dtype)
+        return output
+    return hook
+
+
+# Measured (bf16 on the CPU, this prompt, steering vectors of seeds 1, 3, 4 at layer 12, by neuron / head / block):
+# |sum - plain edited logit| <= 0.037 on SmolLM2 and 0.034 on Gemma-3 (their self-check bounds 0.28-0.37); the
+# .edit column off the first-principles share by <= 0.0005 (shares 0.18-0.29) and 0.0031 (shares 3.7-4.4).
+# Tolerances: about twice those.
+SUM_TOLERANCE = {"llama": 0.075, "gemma3": 0.07}
+EDIT_TOLERANCE = {"llama": 0.001, "gemma3": 0.0065}
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("by", ["neuron", "head", "block"])
+def test_steering_mlp_output_is_attributed_as_its_edit(bf16_model, by):
+    """The issue's call: ``mm.layers[12].mlp.output[:, -1] += vec`` in bf16. The parts sum to the edited model's
+    own logit (a plain forward with the same edit as a torch hook), and by neuron the steering vector's share is
+    in ``L12.mlp.edit`` (it was reported nowhere: ``L12.mlp`` 0.0 where the vector wrote -0.043)."""
+    model, family = bf16_model, dla_recipes.families.family_of(bf16_model).name
+    target, contrast = _ids(model, [" Paris", " Rome"])
+    vec = _vector(model, target, contrast, seed=1)
+    attr = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by=by, intervene=_steer(12, vec))
+    logits, stream = _plain(model, EIFFEL, [(_decoder(model).layers[12].mlp, _steer_hook(vec))])
+    expected = float(logits[target] - logits[contrast])
+    total = float(attr.values.sum() + attr.constant.sum())
+    assert abs(total - expected) <= SUM_TOLERANCE[family], (total, expected)
+    if by == "block":
+        assert not any(label.endswith(".edit") for label in attr.labels)
+    elif by == "head":  # the MLP is whole by head: no edit column of its own, the attention has one
+        assert "L12.mlp.edit" not in attr.labels and "L12.attn.edit" in attr.labels
+    else:  # the neurons read down_proj's input: the vector is in the edit column, nowhere else
+        edit = float(attr.values[0, attr.labels.index("L12.mlp.edit")])
+        written = vec.to(torch.bfloat16).float()
+        post = getattr(_decoder(model).layers[12], "post_feedforward_layernorm", None)
+        if post is not None:  # Gemma: mlp.output is the post-norm's input; it carries the vector frozen at its real input
+            seen = {}
+            _plain(model, EIFFEL, [(_decoder(model).layers[12].mlp, _steer_hook(vec)),
+                                   (post, lambda m, i, o: seen.__setitem__("x", i[0][0, -1].float()))])
+            x = seen["x"]
+            written = (1 + post.weight.float()) * written * torch.rsqrt((x * x).mean() + post.eps)
+        share = _direct_share(model, written, stream, target, contrast)
+        assert abs(edit - share) <= EDIT_TOLERANCE[family], (edit, share)
+        assert abs(share) > 5 * EDIT_TOLERANCE[family]  # the test measures something
+
+
+@pytest.mark.real
+def test_a_patched_attention_output_reports_what_the_attention_wrote(bf16_model):
+    """The issue's second call: layer 10's attention output patched from another prompt, by head in bf16. Its
+    heads, edit and rest sum to what the patched attention wrote (the by-block L10.attn of the same pass), not to
+    the overwritten clean heads; the whole sums to the edited model's own logit."""
+    model, family = bf16_model, dla_recipes.families.family_of(bf16_model).name
+    target, contrast = _ids(model, [" Paris", " Rome"])
+    corrupt = {}
+    attn = _decoder(model).layers[10].self_attn
+    handle = attn.register_forward_hook(lambda m, i, o: corrupt.__setitem__("o", o[0][0, -1].clone()))
+    _plain(model, CORRUPT)
+    handle.remove()
+    value = corrupt["o"]
+
+    def patch(mm):
+        mm.layers[10].self_attn.output[0][:, -1] = value
+
+    def patch_hook(module, args, output):
+        out = output[0].clone()
+        out[:, -1] = value
+        return (out, *output[1:])
+
+    heads = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="head", intervene=patch)
+    block = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="block", intervene=patch)
+    logits, _ = _plain(model, EIFFEL, [(attn, patch_hook)])
+    expected = float(logits[target] - logits[contrast])
+    assert abs(float(heads.values.sum() + heads.constant.sum()) - expected) <= SUM_TOLERANCE[family]
+    layer10 = [j for j, c in enumerate(heads.components) if c.layer == 10 and c.term == "attn"]
+    wrote = float(block.values[0, block.labels.index("L10.attn")])
+    assert float(heads.values[0, layer10].sum()) == pytest.approx(wrote, abs=1e-4 * max(1.0, abs(wrote)))
+    clean = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="head")
+    clean_heads = sum(float(clean.values[0, j]) for j, c in enumerate(clean.components)
+                      if c.layer == 10 and c.part == "head")
+    patched_heads = sum(float(heads.values[0, j]) for j in layer10 if heads.components[j].part == "head")
+    if family == "llama":  # no post-norm: the heads read o_proj's (clean) input, through the patched final scale
+        rescaled = clean_heads * float(heads.diagnostics["scale"][0] / clean.diagnostics["scale"][0])
+        assert patched_heads == pytest.approx(rescaled, rel=1e-5)
+    assert abs(float(heads.values[0, heads.labels.index("L10.attn.edit")])) > 0.01  # the patch is in the edit
+
+
+@pytest.mark.real
+def test_an_unknown_edit_after_the_projection_is_caught_in_bf16(bf16_model):
+    """A torch hook on layer 12's down projection (an edit dla_recipes does not know of) moves the logit by a few
+    hundredths, well inside the stream's bf16 bound (~0.2-0.4): by neuron the term's own check names L12.mlp."""
+    model = bf16_model
+    target, contrast = _ids(model, [" Paris", " Rome"])
+    vec = _vector(model, target, contrast, seed=2) * 0.3
+    _, stream = _plain(model, EIFFEL)
+    share = _direct_share(model, vec.to(torch.bfloat16), stream, target, contrast)
+    attr = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="neuron")
+    assert abs(share) < float(attr.diagnostics["bound"][0])  # the stream's bound alone would let it through
+    handle = _decoder(model).layers[12].mlp.down_proj.register_forward_hook(_steer_hook(vec))
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match=r"L12\.mlp wrote .* intervene=fn"):
+            dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="neuron")
+    finally:
+        handle.remove()
+
+
+@pytest.mark.real
+def test_the_frozen_scale_is_the_models_float32_scale(bf16_model):
+    """Item 2: in bf16 the final norm's frozen scale is the one the model computed in float32 from its stream
+    (``1/sqrt(mean(x^2) + eps)``), not a fit to the bf16-rounded output (off by a common 3.6e-4 before)."""
+    model = bf16_model
+    attr = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="block")
+    _, stream = _plain(model, EIFFEL)
+    norm = _decoder(model).norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    expected = float(torch.rsqrt((stream * stream).mean() + eps))
+    assert float(attr.diagnostics["scale"][0]) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.real
+def test_a_tolerance_below_the_rounding_says_so():
+    """Item 3: a user tolerance below the dtype's own rounding fails saying that, never "far beyond" a bound
+    larger than the gap, and never blaming the family table (Gemma-3 bf16 tolerance=1e-3; SmolLM2 fp32 1e-9)."""
+    for name, dtype, tol in (("gemma3-270m", torch.bfloat16, 1e-3), ("smollm2-135m", torch.float32, 1e-9)):
+        model = _load(name, dtype)
+        with pytest.raises(dla_recipes.ExactnessError) as info:
+            dla_recipes.attribute(model, [EIFFEL, CORRUPT], " Paris", contrast=" Rome", tolerance=tol)
+        message = str(info.value)
+        assert "below this dtype's own rounding" in message and f"tolerance={tol:g}" in message, message
+        assert "far beyond" not in message and "family table" not in message, message
