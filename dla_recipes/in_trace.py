@@ -89,6 +89,7 @@ class TracedAttribution:
         the parts do not sum to the model's own logit, ``TraceUsageError`` before the trace has run."""
         # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
         # and the Attribution must be the client's own class
+        from dla_recipes.api import with_dtype
         from dla_recipes.errors import ExactnessError, TraceUsageError
         from dla_recipes.result import EDIT_HINT, Rows, assemble
         from dla_recipes.trace.readout import Readout
@@ -96,8 +97,10 @@ class TracedAttribution:
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
+        readouts = [Readout.unpack(self.packed)]
         try:
-            return assemble(self.plan, rows, [Readout.unpack(self.packed)], self.by, self.dtype, self.tolerance)
+            return with_dtype(assemble(self.plan, rows, readouts, self.by, self.dtype, self.tolerance), readouts,
+                              self.dtype)
         except ExactnessError as failed:
             raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 

@@ -36,6 +36,8 @@ class Attribution:
             ``norm_fit_error``, ``head_error``, ``scale``.
         components: one ``Component`` per column, in ``labels`` order (read back from the labels when an
             ``Attribution`` is built from labels alone).
+        dtype: the dtype the model computed in (``"bfloat16"``), measured where it ran: what sized the self-check's
+            bound (``error_summary``); empty when unknown.
     """
 
     values: torch.Tensor
@@ -53,6 +55,7 @@ class Attribution:
     read_by: str = ""
     diagnostics: dict = field(default_factory=dict)
     components: tuple | None = None
+    dtype: str = ""
 
     def __post_init__(self):
         if self.components is None:
@@ -65,6 +68,19 @@ class Attribution:
 
     def __len__(self) -> int:
         return self.values.shape[0]
+
+    def error_summary(self) -> str:
+        """``"error 3.05e-03 (bound 6.25e-02, bfloat16)"``: the largest gap between the parts and the logit, the
+        bound the self-check held that prompt to (``diagnostics["bound"]``) and the dtype the model computed in
+        (``dtype``)."""
+        text = f"error {self.error:.2e}"
+        bound, details = self.diagnostics.get("bound"), []
+        if isinstance(bound, torch.Tensor) and bound.numel() == len(self) and len(self):
+            worst = int((self.total - self.logit).abs().argmax())  # the prompt the error is measured on
+            details.append(f"bound {float(bound.reshape(-1)[worst]):.2e}")
+        if self.dtype:
+            details.append(self.dtype)
+        return f"{text} ({', '.join(details)})" if details else text
 
     def to_frame(self):
         """A pandas DataFrame: one row per component, one column per prompt (plus ``constant`` and ``logit`` rows)."""
@@ -163,5 +179,5 @@ class Attribution:
         what = f"direction read by {self.read_by}" if self.read_by else f"target {list(self.target_tokens)}{contrast}"
         return (
             f"Attribution({self.family}, by={self.by!r}, {len(self)} prompt(s) x {len(self.labels)} components, "
-            f"{what}, logit {self.logit.tolist()}, error {self.error:.2e})"
+            f"{what}, logit {self.logit.tolist()}, {self.error_summary()})"
         )
