@@ -176,7 +176,7 @@ def locate_remote(name, cli: bool = False) -> str:
     if Path(text).expanduser().is_dir():
         return text
     what = f"--model {text!r} with --remote" if cli else f"model {text!r} with remote=True"
-    here = "run it without --remote to run it here" if cli else "load it without remote=True to run it here"
+    here = "give it without --remote to run it here" if cli else "load it without remote=True to run it here"
     try:
         key = models.canonical_key(text)
     except KeyError:
