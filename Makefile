@@ -5,6 +5,10 @@
 #                 quick mode; it prints how long the suite took
 # Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
 # make docs-serve, make bench (the full benchmark), make clean.
+# make docs runs the notebooks and recipes that are not current (NOTEBOOKS=quickstart runs only those named), then
+# builds site/ from what has run: a page not run yet is its code under a "Not run yet" note; it exits non-zero
+# when a notebook failed, after building. It uses the active environment when there is one (VIRTUAL_ENV or
+# CONDA_PREFIX set, with the docs tools installed: pip install -e ".[models,test,docs]"), else the project's .venv.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -47,12 +51,28 @@ test: $(VENV)/.test lint
 	  echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
 	  exit $$status
 
-docs: $(VENV)/.test
-	$(PY) notebooks/execute.py --reuse
-	$(VENV)/bin/mkdocs build --strict
+# The docs' interpreter: DOCS_PYTHON if given, else the active environment's, else the project's .venv (built first).
+ACTIVE_ENV := $(or $(VIRTUAL_ENV),$(CONDA_PREFIX))
+DOCS_PYTHON ?= $(if $(ACTIVE_ENV),$(ACTIVE_ENV)/bin/python,$(PY))
+DOCS_NEEDS := $(if $(filter $(PY),$(DOCS_PYTHON)),$(VENV)/.test)
+NOTEBOOKS ?=
+DOCS_TOOLS := import mkdocs, mkdocs_jupyter, mkdocstrings, nbclient, nbformat, plotly
+# Run what is not current, then build what has run (DLA_DOCS_PARTIAL: notebooks/mkdocs_hook.py); the notebooks'
+# status is the target's, once site/ is built.
+DOCS_BUILD = $(DOCS_PYTHON) -c "$(DOCS_TOOLS)" 2>/dev/null || { \
+	  echo "make docs: $(DOCS_PYTHON) lacks the docs tools: pip install -e '.[models,test,docs]' there"; exit 1; }; \
+	status=0; $(DOCS_PYTHON) notebooks/execute.py --reuse $(NOTEBOOKS) || status=$$?; \
+	DLA_DOCS_PARTIAL=1 $(DOCS_PYTHON) -m mkdocs build --strict || exit $$?; \
+	[ $$status -eq 0 ] || echo "make docs: site/ holds every page that ran; the notebooks or recipes that failed \
+	(above) show as not run"; \
+	exit $$status
 
-docs-serve: docs
-	$(VENV)/bin/mkdocs serve
+docs: $(DOCS_NEEDS)
+	@$(DOCS_BUILD)
+
+docs-serve: $(DOCS_NEEDS)
+	-@$(DOCS_BUILD)
+	DLA_DOCS_PARTIAL=1 $(DOCS_PYTHON) -m mkdocs serve
 
 # TransformerLens 4.3 (the comparison in the benchmark) in its own environment, on the same CPU torch.
 .venv-tl/.done:

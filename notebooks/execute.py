@@ -216,9 +216,10 @@ def gallery_path(out_dir: Path = OUT_DIR) -> Path:
 
 
 def gallery_is_fresh(out_dir: Path = OUT_DIR) -> bool:
-    """Whether the gallery page exists and was built from the current recipes and package."""
+    """Whether the gallery page exists, was built from the current recipes and package, and every recipe ran."""
     found = stamp(gallery_path(out_dir))
-    return bool(found) and all(found.get(k) == v for k, v in gallery_fingerprint().items())
+    return (bool(found) and all(found.get(k) == v for k, v in gallery_fingerprint().items())
+            and not found.get("not_run"))
 
 
 def execute_recipes(*, reuse: bool = False, keep_ndif_key: bool = False, log=print,
@@ -248,23 +249,27 @@ def clean_copy(nb):
     return nb
 
 
-def build_gallery(results: list[Result], out_dir: Path = OUT_DIR) -> Path:
-    """Assemble the gallery page from the executed recipes: per recipe a heading, its links and time, its cell."""
+def build_gallery(results: list[Result], out_dir: Path = OUT_DIR, partial: bool = False) -> Path:
+    """Assemble the gallery page from the executed recipes: per recipe a heading, its links and time, its cell.
+
+    A recipe that failed or did not run is an error, unless ``partial``: then its cell is its code without outputs
+    under a "not run" note, and the page's stamp lists it (``not_run``), so it is never taken for a current page."""
     import nbformat
 
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        raise RuntimeError(f"recipes failed, so the gallery cannot be built: {', '.join(failed)}")
-    by_name = {r.name: r for r in results}
+    by_name = {r.name: r for r in results if r.ok}
     chosen = [read_recipe(path) for path in recipes()]
-    missing = [recipe.name for recipe in chosen if recipe.name not in by_name]
-    if missing:
-        raise RuntimeError(f"recipes not executed: {', '.join(missing)}")
-    def took(result: Result) -> str:
+    not_run = [recipe.name for recipe in chosen if recipe.name not in by_name]
+    if not_run and not partial:
+        raise RuntimeError(f"recipes failed or not executed, so the gallery cannot be built: {', '.join(not_run)}")
+
+    def took(result: Result | None) -> str:
+        if result is None:
+            return "not run"
         cpu = f" ({result.cpu_seconds:.0f} s CPU)" if result.cpu_seconds is not None else ""
         return f"{result.seconds:.0f} s{cpu}"
 
-    rows = "\n".join(f"| [{r.title}](#{_anchor(r.title)}) | {r.summary} | {took(by_name[r.name])} |" for r in chosen)
+    rows = "\n".join(f"| [{r.title}](#{_anchor(r.title)}) | {r.summary} | {took(by_name.get(r.name))} |"
+                     for r in chosen)
     cells = [nbformat.v4.new_markdown_cell(
         "# Recipe gallery\n\n"
         "Each recipe is **one cell** that runs alone in a fresh Jupyter kernel: imports, model, prompts, result and "
@@ -274,21 +279,24 @@ def build_gallery(results: list[Result], out_dir: Path = OUT_DIR) -> Path:
         "kernel's CPU time, which does not depend on what else the machine was running).\n\n"
         "| recipe | what it shows | time |\n|---|---|---|\n" + rows, id="gallery-intro")]
     for recipe in chosen:
-        executed = nbformat.read(by_name[recipe.name].output, as_version=4)
+        result = by_name.get(recipe.name)
         links = (f"[`{recipe.name}.py`](../recipes/{recipe.name}.py) · "
                  f"[`{recipe.name}.ipynb`](../recipes/{recipe.name}.ipynb)")
+        ran = (f"Ran alone in a fresh kernel in {took(result)}" if result is not None
+               else f"Not run: `python notebooks/execute.py {GALLERY}` runs it")
         cells.append(nbformat.v4.new_markdown_cell(
             f"## {recipe.title}\n\n{recipe.summary}\n\n"
-            f'<span class="dla-recipe-meta">Ran alone in a fresh kernel in {took(by_name[recipe.name])} · '
-            f"download</span> {links}", id=f"{recipe.name}-about"))
-        cells.append(executed.cells[0])
+            f'<span class="dla-recipe-meta">{ran} · download</span> {links}', id=f"{recipe.name}-about"))
+        cells.append(nbformat.read(result.output, as_version=4).cells[0] if result is not None
+                     else recipe_notebook(recipe.path).cells[0])
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata.update({"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
                         "language_info": {"name": "python"},
                         "dla_recipes": {**gallery_fingerprint(), "seconds": round(sum(r.seconds for r in results), 2),
                                         "recipes": {r.name: {"seconds": round(by_name[r.name].seconds, 2),
                                                              "cpu_seconds": by_name[r.name].cpu_seconds}
-                                                    for r in chosen}}})
+                                                    for r in chosen if r.name in by_name},
+                                        "not_run": not_run}})
     target = gallery_path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, target)
@@ -418,10 +426,61 @@ def execute_all(out_dir: Path = OUT_DIR, *, names=None, reuse: bool = False, kee
     log(f"{'total':<28} {total:7.1f} s  (reused copies count the time they took)")
     if not names or GALLERY in names:
         recipe_results = execute_recipes(reuse=reuse, keep_ndif_key=keep_ndif_key, log=log)
-        if all(r.ok for r in recipe_results):
-            log(f"gallery page: {build_gallery(recipe_results, out_dir)}")
+        failed = [r.name for r in recipe_results if not r.ok]
+        page = build_gallery(recipe_results, out_dir, partial=True)  # what ran; a failed recipe shows as not run
+        log(f"gallery page: {page}" + (f" (not run: {', '.join(failed)})" if failed else ""))
         results += recipe_results
     return results
+
+
+PENDING_NOTE = {  # (title, text) of the note on a page that is not current; HTML: notebook markdown has no admonitions
+    "missing": ("Not run yet",
+                ("This page has not been executed: it shows the notebook's code without its outputs. Run "
+                 "<code>python notebooks/execute.py {name}</code> (or <code>make docs</code>) to fill it in.")),
+    "stale": ("Outputs from older sources",
+              ("This page's outputs were computed from an earlier version of the notebook or of dla_recipes. Run "
+               "<code>python notebooks/execute.py {name}</code> (or <code>make docs</code>) to bring them up to "
+               "date.")),
+}
+
+
+def pending_page(source: Path, out_dir: Path = OUT_DIR, *, why: str = "missing"):
+    """A page to publish for a notebook (or the gallery) that has not run against the current sources, for a docs
+    build of what has run (``make docs``): its executed copy under a note (``why="stale"``), or (``"missing"``) its
+    code without outputs (the gallery: every recipe's code). A strict build refuses both instead."""
+    import nbformat
+
+    source = Path(source)
+    name = source.stem
+    if why == "stale":
+        nb = nbformat.read(executed_path(source, out_dir), as_version=4)
+    elif name == GALLERY:
+        nb = build_gallery_placeholder()
+    else:
+        nb = clean_copy(nbformat.read(source, as_version=4))
+    title, text = PENDING_NOTE[why]
+    note = nbformat.v4.new_markdown_cell(
+        f'<div class="admonition warning dla-pending"><p class="admonition-title">{title}</p>'
+        f"<p>{text.format(name=name)}</p></div>", id="dla-pending")
+    first = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0  # after the page's title
+    nb.cells.insert(first, note)
+    nb.metadata.pop("dla_recipes", None)
+    return nb
+
+
+def build_gallery_placeholder():
+    """The gallery page before any recipe ran: a heading per recipe and its code, without outputs."""
+    import nbformat
+
+    cells = [nbformat.v4.new_markdown_cell("# Recipe gallery", id="gallery-intro")]
+    for path in recipes():
+        recipe = read_recipe(path)
+        cells.append(nbformat.v4.new_markdown_cell(f"## {recipe.title}\n\n{recipe.summary}", id=f"{recipe.name}-about"))
+        cells.append(recipe_notebook(path).cells[0])
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata.update({"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                        "language_info": {"name": "python"}})
+    return nb
 
 
 def write_timings(results: list[Result], out_dir: Path = OUT_DIR, key: str = "notebooks") -> float:

@@ -6,6 +6,11 @@ writes them; mkdocs never executes anything). A missing copy is an error; a copy
 or package sources is a warning, so ``mkdocs build --strict`` fails rather than publish numbers the current code
 did not produce. ``DLA_DOCS_NOTEBOOKS`` points at another folder of executed copies.
 
+``DLA_DOCS_PARTIAL=1`` (what ``make docs`` sets) builds what has run instead: a page whose notebook has not run is
+its code without outputs under a "Not run yet" note, a stale copy is published under an "Outputs from older sources"
+note (both written to ``docs-pending/`` beside the executed copies), and the build lists them (info, not a
+warning: ``--strict`` still fails on anything else).
+
 Downloads: every notebook page gets a link under its title to ``notebooks/NAME.ipynb`` (the notebook without
 outputs), and each recipe is offered as ``recipes/NAME.py`` (copied from docs/) and ``recipes/NAME.ipynb`` (one
 cell). A link to a ``.ipynb`` or ``.py`` that is not in the site, or a table-of-contents entry whose anchor is not on
@@ -61,22 +66,33 @@ def on_files(files: Files, config) -> Files:
 
     runner = _runner()
     out_dir = Path(os.environ.get("DLA_DOCS_NOTEBOOKS") or runner.OUT_DIR)
+    partial = os.environ.get("DLA_DOCS_PARTIAL", "").strip().lower() in ("1", "true", "yes", "on")
+    pending_dir = out_dir.parent / "docs-pending"  # build/docs-pending beside build/notebooks
     pages = [(source, runner.is_fresh(source, out_dir)) for source in runner.notebooks()]
     pages.append((runner.gallery_path(out_dir), runner.gallery_is_fresh(out_dir)))
+    pending = []
     for source, fresh in pages:
         executed = runner.executed_path(source, out_dir)
-        if not executed.is_file():
+        page_dir = out_dir
+        what = "recipes (docs/recipes/*.py)" if executed.stem == runner.GALLERY else source.name
+        if not executed.is_file() and not partial:
             raise PluginError(
                 f"{executed.name} has no executed copy in {out_dir}: run `python notebooks/execute.py` first "
-                "(`make docs` does both)"
+                "(`make docs` does both, and builds the pages that have run)"
             )
-        if not fresh:
-            what = "recipes (docs/recipes/*.py)" if executed.stem == runner.GALLERY else source.name
+        if not fresh and partial:  # publish it as what it is: not run, or run from older sources
+            why = "stale" if executed.is_file() else "missing"
+            pending_dir.mkdir(parents=True, exist_ok=True)
+            nbformat.write(runner.pending_page(source, out_dir, why=why), pending_dir / executed.name)
+            page_dir = pending_dir
+            pending.append(f"{executed.stem} ({'not run' if why == 'missing' else 'older sources'})")
+        elif not fresh:
             log.warning(
                 f"{executed} was not executed from the current {what} and dla_recipes sources: "
                 "re-run `python notebooks/execute.py`"
             )
-        files.append(File(executed.name, src_dir=str(out_dir), dest_dir=config["site_dir"],
+        executed = Path(page_dir) / executed.name
+        files.append(File(executed.name, src_dir=str(page_dir), dest_dir=config["site_dir"],
                           use_directory_urls=config["use_directory_urls"]))
         # the download: the notebook without outputs (in-memory content: mkdocs-jupyter leaves it a plain file)
         clean = runner.clean_copy(nbformat.read(executed, as_version=4))
@@ -84,6 +100,8 @@ def on_files(files: Files, config) -> Files:
     for path in runner.recipes():  # the .py files are in docs/recipes/ already; add each as a one-cell notebook
         files.append(File.generated(config, f"recipes/{path.stem}.ipynb",
                                     content=nbformat.writes(runner.recipe_notebook(path)) + "\n"))
+    if pending:
+        log.info("pages built from what has run; not current (marked on the page): " + ", ".join(pending))
     files.append(File.generated(config, "family-table.md", content=_families_table().render()))
     try:
         import plotly

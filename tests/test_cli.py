@@ -99,6 +99,24 @@ def test_dtype_aliases(folders, capsys, dtype):
     assert "error:" in capsys.readouterr().out
 
 
+def test_the_error_line_shows_the_bound_and_the_dtype(folders, capsys):
+    """bfloat16: the sum and the logit differ visibly; the error line says what bound that gap was held to, in which
+    dtype, and a note says the gap is the model's precision. float32: the bound and the dtype, no note."""
+    import re
+
+    for dtype, name in (("bf16", "bfloat16"), ("fp32", "float32")):
+        assert main(["w1 w2 w3", "--target", "w9", "--model", folders["llama"], "--dtype", dtype]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        found = [re.fullmatch(rf"error: (\S+) \(bound (\S+), {name}\)", line) for line in lines]
+        match = next(m for m in found if m)
+        error, bound = float(match.group(1)), float(match.group(2))
+        total = float(next(line for line in lines if line.startswith("sum of parts")).split()[-1])
+        logit = float(next(line for line in lines if line.startswith("model's logit")).split()[-1])
+        assert error == pytest.approx(abs(total - logit), abs=2e-6) and error <= bound
+        note = [line for line in lines if "not a missing part" in line]
+        assert note == ([] if name == "float32" else [note[0]]) and (not note or note[0].startswith("(bfloat16:"))
+
+
 def test_unknown_dtype_is_refused(folders, capsys):
     assert main(["w1 w2 w3", "--target", "w9", "--model", folders["llama"], "--dtype", "bf17"]) == 2
     assert _one_error_line(capsys.readouterr().err) == (
@@ -119,12 +137,21 @@ def test_by_offers_every_granularity(folders, capsys):
 
 
 def test_remote_client_failures_are_not_server_failures(folders, capsys):
+    """With --remote, --model is the hub id of a model the server hosts: a folder, a short name, no --model and an
+    offline hub fail here, at once, before any request, and say so."""
     closed = "http://127.0.0.1:9"
-    assert main(["w1 w2", "--target", "w1 w2", "--model", folders["llama"], "--remote", closed]) == 2
-    assert _one_error_line(capsys.readouterr().err).startswith("error: target 'w1 w2' is 2 tokens")
-    # a local folder has no hub id for the server: that fails here, on the client, and says so
+    start = time.monotonic()
     assert main(["w1 w2", "--target", "w3", "--model", folders["llama"], "--remote", closed]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert "failed on this machine, before the NDIF server" in line and "on the NDIF server at" not in line
+    assert f"--model {folders['llama']!r} with --remote is a local folder" in line, line
+    assert "hub id the server hosts" in line and "NDIF server" not in line and "resume" not in line
+    assert main(["w1 w2", "--target", "w3", "--model", "smollm2", "--remote", closed]) == 2
+    assert "--model HuggingFaceTB/SmolLM2-135M-Instruct" in _one_error_line(capsys.readouterr().err)
+    assert main(["w1 w2", "--target", "w3", "--remote", closed]) == 2
+    assert "--remote needs --model" in _one_error_line(capsys.readouterr().err)
+    assert main(["w1 w2", "--target", "w3", "--model", "meta-llama/Llama-3.1-8B", "--remote", closed]) == 2
+    line = _one_error_line(capsys.readouterr().err)  # the offline fixture: HF_HUB_OFFLINE=1
+    assert "--model 'meta-llama/Llama-3.1-8B' with --remote" in line and "hub is offline (HF_HUB_OFFLINE is set)" in line
     assert main(["w1 w2", "--target", "w3", "--model", folders["llama"], "--remote", "127.0.0.1:9"]) == 2
     assert "give 'ndif' or a server URL" in _one_error_line(capsys.readouterr().err)
+    assert time.monotonic() - start < 20  # no hub, no server was waited on

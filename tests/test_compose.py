@@ -30,8 +30,8 @@ LAYER, HEAD = 1, 1
 
 def head_slice(model, layer: int, head: int) -> tuple[str, slice]:
     """The path of block ``layer``'s attention output projection and head ``head``'s slice of its input."""
-    planned = next(p for p in dla_recipes.plan.build_plan(model).layers[layer] if p.term.name == "attn")
-    return planned.term.split.projection, slice(head * planned.part_width, (head + 1) * planned.part_width)
+    hs = dla_recipes.head_slice(model, layer, head)  # none of these families has a grouped projection
+    return hs.projection, hs.columns
 
 
 def token_id(model, token) -> int:

@@ -327,3 +327,71 @@ def test_table_of_contents_links_land(server, browser, page):
     assert anchors, f"{page}: no table of contents found"
     missing = [a for a in set(anchors) if not browser.find_elements(By.ID, a)]
     assert not missing, f"{page}: table-of-contents anchors with no target: {missing}"
+
+
+# -- the heatmaps' titles: above their top x axis, never on it (drawn by plotly.js in the browser, no site) ----------
+
+BOXES_JS = """
+const boxes = {};
+for (const [name, selector] of Object.entries({title: '.gtitle', xtitle: '.xtitle', xticks: '.xtick text'})) {
+  for (const element of document.querySelectorAll(selector)) {
+    const r = element.getBoundingClientRect();
+    if (!r.width) continue;
+    const b = boxes[name];
+    boxes[name] = b ? {top: Math.min(b.top, r.top), bottom: Math.max(b.bottom, r.bottom), left: Math.min(b.left, r.left),
+                       right: Math.max(b.right, r.right)} : {top: r.top, bottom: r.bottom, left: r.left, right: r.right};
+  }
+}
+return boxes;
+"""
+
+
+def _drawn_boxes(browser, fig, folder: Path) -> dict:
+    """The screen boxes of ``fig``'s title, x-axis title and x tick labels, drawn by the installed plotly.js."""
+    import plotly
+
+    plotly_js = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text(encoding="utf-8")
+    page = folder / "figure.html"
+    page.write_text(f'<html><head><script>{plotly_js}</script></head><body style="margin:0">'
+                    f'<div id="figure" style="width:{fig.layout.meta["static_width"]}px"></div><script>'
+                    f'const spec = {fig.to_json()}; Plotly.newPlot("figure", spec.data, spec.layout)'
+                    '.then(() => { document.title = "drawn"; });</script></body></html>', encoding="utf-8")
+    browser.get(page.as_uri())
+    _wait(browser, lambda d: d.title == "drawn", what="plotly to draw the figure")
+    return browser.execute_script(BOXES_JS)
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["bottom"] > b["top"] and a["top"] < b["bottom"] and a["right"] > b["left"] and a["left"] < b["right"]
+
+
+@needs_browser
+def test_heatmap_titles_clear_their_top_axis(browser, tmp_path):
+    """The which-token heatmap (``sources_heatmap``: rotated token labels on top, one prompt or the mean) and the
+    heads heatmap put the x axis on top; the figure's title must sit above its axis title and tick labels, inside
+    the figure (measured: plotly's default title placement put the title on the axis title)."""
+    import torch
+
+    from dla_recipes import Attribution, plots
+
+    def attribution(labels, by):
+        values = torch.randn(2, len(labels), generator=torch.Generator().manual_seed(0))
+        return Attribution(values=values, labels=labels, constant=torch.zeros(2), logit=values.sum(-1),
+                           output_logit=values.sum(-1), error=0.0, by=by, family="gemma3_text",
+                           target_tokens=(" Paris",) * 2, contrast_tokens=(" Rome",) * 2, prompts=("a", "b"))
+
+    figures = []
+    for tokens in (["<bos>", "The", " E", "iff", "el", " Tower", " is", " in", " the", " city", " of"],
+                   ["<|im_start|>", " supercalifragilistic", " antidisestablishment"], ["a"]):
+        labels = ["embed"] + [f"L{i}.H{h}.S{s}" for i in range(3) for h in range(4) for s in range(len(tokens))]
+        for prompt in (0, None):
+            figures.append(plots.sources_heatmap(attribution(labels, "source"), tokens, prompt=prompt, k=10))
+    for layers, heads in ((30, 9), (2, 4)):
+        labels = ["embed"] + [f"L{i}.H{h}" for i in range(layers) for h in range(heads)]
+        figures.append(plots.heads_heatmap(attribution(labels, "head")))
+    for fig in figures:
+        boxes = _drawn_boxes(browser, fig, tmp_path)
+        assert {"title", "xtitle", "xticks"} <= set(boxes), boxes
+        title = boxes["title"]
+        assert title["top"] >= 0 and title["bottom"] <= boxes["xtitle"]["top"], (fig.layout.title.text, boxes)
+        assert not _overlap(title, boxes["xticks"]), (fig.layout.title.text, boxes)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import notebook_runner
 
+import dla_recipes
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = notebook_runner()
 RECIPES = RUNNER.recipes()
@@ -134,3 +136,58 @@ def test_plots_without_plotly_says_how_to_install():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("ImportError") and 'dla_recipes[plots]' in line for line in lines), lines
+
+
+# -- the editing recipes, on both real models ------------------------------------------------------------------------
+
+REAL_MODELS = ["smollm2-135m", "gemma3-270m"]  # Gemma-3-270M's heads are 256 wide, hidden_size // heads is 160
+_LOADED: dict = {}
+
+
+def run_recipe_on(name: str, stem: str, monkeypatch, folder: Path, edit=lambda code: code) -> dict:
+    """Run recipe ``stem`` in this process on real model ``name`` (``models.default_model_path`` pointed at it, the
+    model loaded once per session); ``edit`` may change the code first (run from a file in ``folder``: nnsight reads
+    a trace's source back). Returns the recipe's namespace."""
+    import runpy
+
+    from dla_recipes import models
+
+    path, load = models.REGISTRY[name](), dla_recipes.load
+
+    def load_once(model, **kwargs):
+        if str(model) not in _LOADED:
+            _LOADED[str(model)] = load(model, **kwargs)
+        return _LOADED[str(model)]
+
+    monkeypatch.setattr(models, "default_model_path", lambda: path)
+    monkeypatch.setattr(dla_recipes, "load", load_once)
+    script = folder / f"{stem}.py"
+    script.write_text(edit(RUNNER.read_recipe(RUNNER.RECIPE_DIR / f"{stem}.py").code), encoding="utf-8")
+    return runpy.run_path(str(script), run_name=f"recipe_{stem}")
+
+
+def part(attr, row: int, label: str) -> float:
+    return float(attr.values[row, attr.labels.index(label)])
+
+
+@pytest.mark.parametrize("name", REAL_MODELS)
+def test_ablate_recipe_zeroes_the_head_on_real_models(name, monkeypatch, tmp_path):
+    """Recipe 50's ablated heads write exactly nothing on both real models (it asserts so for each of its 5 heads)."""
+    ns = run_recipe_on(name, "50_ablate_then_attribute", monkeypatch, tmp_path)
+    assert len(ns["heads"]) == 5 and len(ns["total"]) == 5
+    assert part(ns["edited"], 0, ns["label"]) == 0.0 != part(ns["clean"], 0, ns["label"])
+
+
+@pytest.mark.parametrize("name", REAL_MODELS)
+def test_patch_recipe_patches_exactly_the_head_on_real_models(name, monkeypatch, tmp_path):
+    """Recipe 60 with the patched value zeroed: the head's part at the patched position is exactly 0, so the recipe's
+    slice is the whole head and nothing else of it is left."""
+    line = "heads_in[:, -1][hs.index] = from_corrupted"
+
+    def zero_patch(code):
+        assert code.count(line) == 1, "recipe 60's patch line changed: update this test"
+        return code.replace(line, line.replace("= from_corrupted", "= 0 * from_corrupted"))
+
+    ns = run_recipe_on(name, "60_patch_then_attribute", monkeypatch, tmp_path, zero_patch)
+    label = f"L{ns['layer']}.H{ns['head']}"
+    assert part(ns["patched"], 1, label) == 0.0 != part(ns["unpatched"], 0, label)

@@ -38,3 +38,21 @@ def test_bfloat16_model_is_attributed_in_float32(family, monkeypatch):
     bound, split = whole.diagnostics["bound"], whole.diagnostics["split_rounding"]
     assert bool(((whole.values.sum(-1) + whole.constant + split - whole.logit).abs() <= bound).all())
     assert bool((bound < 0.1 * torch.clamp(whole.logit.abs(), min=1.0)).all())
+
+
+def test_the_error_is_shown_with_its_bound_and_dtype():
+    """A bfloat16 attribution's visible gap comes with the bound it was checked against and the dtype, in the repr
+    (the bound of the prompt the error is measured on), from attribute and from trace_attribution alike."""
+    model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+    with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke(PROMPTS):
+            pass
+        dla = dla_recipes.trace_attribution(tracer, TARGET, contrast=CONTRAST)
+    for result in (attr, dla.result()):
+        assert result.dtype == "bfloat16"
+        worst = int((result.total - result.logit).abs().argmax())
+        bound = float(result.diagnostics["bound"][worst])
+        assert f"error {result.error:.2e} (bound {bound:.2e}, bfloat16))" in repr(result), repr(result)
+    float32 = dla_recipes.attribute(tiny.standardized("llama"), PROMPTS, TARGET)
+    assert repr(float32).endswith(", float32))") and float32.dtype == "float32"

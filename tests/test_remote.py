@@ -189,6 +189,68 @@ def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypat
     torch.testing.assert_close(resumed.logit, whole.logit, atol=1e-6, rtol=1e-5)
 
 
+def test_a_failure_no_retry_fixes_offers_no_resume(server, monkeypatch):
+    """Request 2 of 3 refused for good (a wrong key): the completed request is kept, but no .resume() is offered, and
+    calling it says why instead of sending the request again."""
+    from nnsight import CONFIG
+
+    from dla_recipes import RemoteBatchError
+
+    model = server.remote_model("gpt2")
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(6)]
+    sent = []
+    real_run_trace = dla_recipes.transport.run.run_trace
+
+    def run_trace(*args, **kwargs):
+        sent.append(args[2].prompts)
+        if len(sent) == 2:
+            CONFIG.API.APIKEY = "not-the-key"  # server.client() restores the key after the block
+        return real_run_trace(*args, **kwargs)
+
+    monkeypatch.setattr(dla_recipes.transport.run, "run_trace", run_trace)
+    with server.client():
+        with pytest.raises(RemoteBatchError, match=r"(?s)request 2 of 3 failed.*refused the API key") as failure:
+            dla_recipes.attribute(model, prompts, TARGET, remote=True, batch_size=2)
+        error = failure.value
+        assert error.partial.prompts == tuple(prompts[:2]) and not error.resumable
+        assert "no .resume()" in str(error) and "call .resume()" not in str(error)
+        with pytest.raises(RemoteError, match="no retry fixes"):
+            error.resume()
+    assert len(sent) == 2  # nothing was sent again
+
+
+def test_a_first_request_that_fails_for_good_is_its_remote_error(server, tmp_path):
+    """A model built on an unregistered local folder (not through load, which refuses it) fails on the client: the
+    RemoteError itself, no RemoteBatchError offering to resume a request that would fail the same way."""
+    from nnterp import StandardizedTransformer
+
+    from dla_recipes import RemoteBatchError
+    from dla_recipes.testing.loopback import load_tokenizer
+
+    folder = tmp_path / "unregistered"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    model = StandardizedTransformer(str(folder.absolute()), remote=True, tokenizer=load_tokenizer(folder))
+    with server.client(), pytest.raises(RemoteError, match="named by the hub id the server hosts") as failure:
+        dla_recipes.attribute(model, PROMPTS[0], TARGET, remote=True)
+    assert not isinstance(failure.value, RemoteBatchError) and "resume" not in str(failure.value)
+
+
+def test_load_refuses_a_remote_model_from_a_local_folder(tmp_path, monkeypatch):
+    """``load(folder, remote=True)`` fails at load, not at the first attribute: a remote model is named by a hub id."""
+    folder = tmp_path / "tiny-llama"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    with pytest.raises(dla_recipes.InputError, match=r"with remote=True is a local folder.*hub id the server hosts"):
+        dla_recipes.load(str(folder), remote=True)
+    with pytest.raises(dla_recipes.InputError, match=r"short name.*load\('HuggingFaceTB/SmolLM2-135M-Instruct'"):
+        dla_recipes.load("smollm2", remote=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(dla_recipes.InputError, match=r"hub is offline \(HF_HUB_OFFLINE is set\)"):
+        dla_recipes.load("meta-llama/Llama-3.1-8B", remote=True)
+    assert dla_recipes.load(str(folder)).to_model_key  # the folder itself loads, locally
+
+
 def test_errors_that_would_fail_again_are_not_retried(server):
     """A wrong key is final: one send, no retry."""
     model = server.remote_model("llama")

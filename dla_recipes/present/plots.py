@@ -126,6 +126,23 @@ def blocks_bar(attr, prompt: int | None = 0, quantity: str | None = None):
     return fig
 
 
+TITLE_SPACE = 62  # px at the top for the title: below the hover toolbar (26 px), one line of plotly_white's 17 px font
+AXIS_TITLE_SPACE = 28  # px for a top x axis's title and its standoff
+
+
+def _top_axis_layout(text: str, labels, tickangle: float = 0.0) -> dict:
+    """The title and top margin of a heatmap whose x axis (tick labels, then the axis title) is on top: the title is
+    pinned to the figure's top and the margin leaves room for it above the axis title and the tick labels, so
+    neither overlaps it (a title placed by plotly in the middle of the margin sat on the axis title). The tick
+    labels' height is estimated from the longest label (12 px Arial: about 6.6 px a character, rotated by
+    ``tickangle``); the axis's ``automargin`` still grows the margin should a label be taller."""
+    longest = max((len(str(label)) for label in labels), default=1)
+    angle = math.radians(abs(tickangle))
+    ticks = 6.6 * longest * math.sin(angle) + 12 * math.cos(angle) + 8
+    return dict(title=dict(text=text, x=0.01, xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=28)),
+                margin_top=int(TITLE_SPACE + AXIS_TITLE_SPACE + ticks))
+
+
 def heads_heatmap(attr, prompt: int | None = 0, quantity: str | None = None):
     """A layers x heads heatmap of the heads' contributions (an attribution ``by="head"``), diverging at 0.
 
@@ -145,10 +162,13 @@ def heads_heatmap(attr, prompt: int | None = 0, quantity: str | None = None):
         colorbar=dict(title=dict(text="logit" if quantity is None else "")), hoverongaps=False,
         hovertemplate="%{y}.%{x}: %{z:.4f}<extra></extra>",
     ))
+    columns = [f"H{h}" for h in range(grid.shape[1])]
+    top = _top_axis_layout(_title(attr, prompt, f"Heads ({attr.family})", quantity), columns)
     fig.update_layout(
-        title=dict(text=_title(attr, prompt, f"Heads ({attr.family})", quantity), x=0.01, xanchor="left"),
-        xaxis=dict(title="head", side="top"), yaxis=dict(title="layer", autorange="reversed"),
-        template="plotly_white", height=max(320, 22 * grid.shape[0] + 130), margin=dict(l=60, r=20, t=100, b=30),
+        title=top["title"],
+        xaxis=dict(title="head", side="top", automargin=True), yaxis=dict(title="layer", autorange="reversed"),
+        template="plotly_white", height=max(320, 22 * grid.shape[0] + 130),
+        margin=dict(l=60, r=20, t=top["margin_top"], b=30),
         meta={"dla_plot": "heads_heatmap", "static_width": max(420, 60 * grid.shape[1] + 220)},
     )
     return fig
@@ -186,10 +206,13 @@ def sources_heatmap(attr, tokens, prompt: int | None = 0, k: int = 10, quantity:
     ))
     what = f"Heads by source token ({attr.family})"
     title = _title(attr, None if prompt is None else _check_prompt(attr, prompt), what, quantity)
+    top = _top_axis_layout(title, columns, tickangle=-45)
     fig.update_layout(
-        title=dict(text=title, x=0.01, xanchor="left"),
-        xaxis=dict(title="source token", side="top", tickangle=-45), yaxis=dict(title="head", autorange="reversed"),
-        template="plotly_white", height=max(320, 26 * len(rows) + 200), margin=dict(l=80, r=20, t=160, b=30),
+        title=top["title"],
+        xaxis=dict(title="source token", side="top", tickangle=-45, automargin=True),
+        yaxis=dict(title="head", autorange="reversed"),
+        template="plotly_white", height=max(320, 26 * len(rows) + top["margin_top"] + 40),
+        margin=dict(l=80, r=20, t=top["margin_top"], b=30),
         meta={"dla_plot": "sources_heatmap", "static_width": max(520, 70 * n + 240)},
     )
     return fig

@@ -8,8 +8,10 @@ means and what to do about it:
 - anything else (a wrong or missing API key, a model the server does not host, an exception inside the trace on the
   server) fails at once with a ``RemoteError`` naming the cause, since sending it again would fail again;
 - when request ``k`` of ``n`` still fails, the requests that completed are not lost: ``RemoteBatchError.partial``
-  holds their attribution (self-checked), and ``RemoteBatchError.resume()`` sends only the requests not done yet and
-  returns the whole attribution, in the prompts' order.
+  holds their attribution (self-checked), and, when the failure is transient (``is_transient``: the server may come
+  back), ``RemoteBatchError.resume()`` sends only the requests not done yet and returns the whole attribution, in the
+  prompts' order. A failure no retry fixes offers no ``resume()``; on the first request it raises its own
+  ``RemoteError``.
 """
 
 from __future__ import annotations
@@ -35,18 +37,31 @@ class RemoteBatchError(RemoteError):
         done: the indices (into the prompts given to ``attribute``) that ``partial`` covers.
         failed_batch: the index of the request that failed; ``cause``: its ``RemoteError``.
 
-    ``resume()`` sends the requests not done yet (with the same arguments) and returns the whole ``Attribution``;
-    if one fails again it raises a new ``RemoteBatchError`` that keeps everything done so far.
+    ``resumable``: whether the failure was transient (server unreachable, HTTP 5xx, a timeout), so that sending the
+    request again may succeed. Then ``resume()`` sends the requests not done yet (with the same arguments) and returns
+    the whole ``Attribution``; if one fails again it raises a new ``RemoteBatchError`` that keeps everything done so
+    far. A failure that would happen again (a model the server does not host, a refused key, an exception in the
+    trace) is not resumable: ``resume()`` raises a ``RemoteError`` saying so.
     """
 
     def __init__(self, message: str, partial, done: tuple[int, ...], failed_batch: int, cause: RemoteError,
-                 resume: Callable):
+                 resume: Callable | None):
         super().__init__(message)
         self.partial, self.done, self.failed_batch, self.cause = partial, done, failed_batch, cause
         self._resume = resume
 
+    @property
+    def resumable(self) -> bool:
+        """Whether ``resume()`` may succeed: the failure was transient."""
+        return self._resume is not None
+
     def resume(self):
-        """Send the remaining requests and return the attribution of every prompt."""
+        """Send the remaining requests and return the attribution of every prompt (a transient failure only)."""
+        if self._resume is None:
+            raise RemoteError(
+                f"request {self.failed_batch + 1} failed for a reason no retry fixes ({self.cause}); there is "
+                "nothing to resume: fix its cause and attribute the prompts not in .done again"
+            )
         return self._resume()
 
 

@@ -7,15 +7,16 @@ from dla_recipes import models, plots
 
 model = dla_recipes.load(models.default_model_path())
 prompt, target, contrast = "The Eiffel Tower is in the city of", " Paris", " Rome"
-head_dim = model.config.hidden_size // model.num_heads
 
 clean = dla_recipes.attribute(model, prompt, target, contrast=contrast, by="head")
 heads = [label for label in clean.top(60)["component"] if ".H" in label][:5]
 
 
 def ablate(layer, head):
+    hs = dla_recipes.head_slice(model, layer, head)  # the head's features of o_proj's input (its width is o_proj's)
+
     def edit(m):  # nnsight code, run in the same forward pass as the attribution
-        m.layers[layer].self_attn.o_proj.input[:, :, head * head_dim:(head + 1) * head_dim] = 0
+        hs.site(m).input[hs.index] = 0  # m.layers[layer].self_attn.o_proj.input[..., hs.columns] = 0
     return edit
 
 
