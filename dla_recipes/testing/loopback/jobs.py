@@ -14,6 +14,7 @@ since client and server share the machine), ``exec_seconds`` (deserialize + run 
 """
 
 import asyncio
+import contextlib
 import gc
 import io
 import json
@@ -45,7 +46,8 @@ class ServedModel:
 
     KEY_CLASSES = ("nnsight.modeling.transformers.TransformersModel", "nnsight.modeling.language.LanguageModel")
 
-    def __init__(self, name: str, folder: str) -> None:
+    def __init__(self, name: str, folder: str, autocast: bool = False) -> None:
+        import torch
         from nnsight.modeling.transformers import TransformersModel
         from transformers import AutoTokenizer
 
@@ -56,6 +58,8 @@ class ServedModel:
         )
         self.model._module.requires_grad_(False)
         self.dtype = next(self.model._module.parameters()).dtype
+        # NDIF's bracket (request_dtype) autocasts half-precision models only; here on the CPU, where NDIF's is a no-op
+        self.autocast = autocast and self.dtype in (torch.float16, torch.bfloat16)
         self.model_key = f"{self.KEY_CLASSES[0]}:" + json.dumps(
             {"repo_id": name, "revision": None, "task": "text-generation"}
         )
@@ -150,7 +154,10 @@ def execute(job: Job) -> bytes:
             tracer, _ = prepare_traced_block(
                 model, request.payload, request.compress, deserialize=BackendRequestModel.deserialize
             )
-            saved = execute_traced_block(tracer, job.served.dtype)
+            bracket = (torch.autocast("cpu", dtype=job.served.dtype, cache_enabled=False) if job.served.autocast
+                       else contextlib.nullcontext())
+            with bracket:
+                saved = execute_traced_block(tracer, job.served.dtype)
             buffer = io.BytesIO()
             torch.save(saved, buffer, pickle_module=cpu_pickle_module())
             data = buffer.getvalue()

@@ -45,6 +45,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="refuse (413) a request body larger than this")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (LoopbackServer passes its own pid)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="run each request on a bfloat16 / float16 model inside torch.autocast('cpu', <its "
+                             "dtype>), as NDIF runs every request inside torch.autocast('cuda', <its dtype>)")
     parser.add_argument("--blocked-imports", default=",".join(DEFAULT_BLOCKED_IMPORTS),
                         help="comma-separated packages the server refuses to import ('' for none)")
     args = parser.parse_args(argv)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", args.port))  # loopback only, never 0.0.0.0
     port = listener.getsockname()[1]
-    served = {name: ServedModel(name, folder) for name, folder in args.models.items()}
+    served = {name: ServedModel(name, folder, autocast=args.autocast) for name, folder in args.models.items()}
     for model in served.values():
         print(f"serving {model.name} as {model.model_key}", flush=True)
     app = build_app(served, args.api_key, args.inline_limit, port, args.max_request_bytes)

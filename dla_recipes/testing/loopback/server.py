@@ -14,7 +14,8 @@ Python API::
 
 The server computes single-threaded (``threads=1`` by default); a bit-exact remote == local
 comparison needs the local forward single-threaded too (``torch.set_num_threads(1)``), since float reductions
-depend on the thread count.
+depend on the thread count. ``autocast=True`` runs every request on a bfloat16 / float16 model inside
+``torch.autocast("cpu", dtype=<the model's dtype>)``, the bracket NDIF puts around every request on CUDA.
 """
 
 import contextlib
@@ -60,6 +61,9 @@ class LoopbackServer:
         threads: torch threads the server computes with (default 1, whatever ``OMP_NUM_THREADS`` the client has,
             so a single-threaded local run reproduces its numbers bit for bit).
         max_request_bytes: the largest request body accepted (413 above it).
+        autocast: run each request on a half-precision model inside ``torch.autocast("cpu", dtype=<its dtype>,
+            cache_enabled=False)``, as NDIF runs every request inside ``torch.autocast("cuda", ...)``
+            (``ndif...modeling.nns.request_dtype``, a no-op without CUDA); float32 models are unaffected, as there.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class LoopbackServer:
         log_path: str | os.PathLike | None = None,
         threads: int = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        autocast: bool = False,
     ) -> None:
         if not models:
             raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
@@ -91,6 +96,7 @@ class LoopbackServer:
         self.log_path = Path(log_path) if log_path else None
         self.threads = int(threads)
         self.max_request_bytes = int(max_request_bytes)
+        self.autocast = bool(autocast)
         self.process: subprocess.Popen | None = None
         self._finalizer = None
         self._log_offset = 0
@@ -120,6 +126,7 @@ class LoopbackServer:
         command = [sys.executable, "-P", str(SERVER_SCRIPT), "--port", str(self.port or 0)]
         command += ["--inline-limit", str(self.inline_limit), "--blocked-imports", ",".join(self.blocked_imports)]
         command += ["--parent-pid", str(os.getpid()), "--max-request-bytes", str(self.max_request_bytes)]
+        command += ["--autocast"] if self.autocast else []
         for name, folder in self.models.items():
             command += ["--model", f"{name}={folder}"]
         env = dict(os.environ)

@@ -1,0 +1,257 @@
+"""Half precision meets the other axes: ``attribute_direction`` in bfloat16 / float16 and remotely, remote bfloat16 /
+float16 attribution, and NDIF's autocast bracket.
+
+Every sum is checked against the model's own output, each prompt alone in a plain transformers forward: for a
+direction, the output of the norm in front of the sublayer (a torch forward hook) along the direction; for a logit,
+target minus contrast at the last token. Half-precision tolerances are sized from measurement (each constant says
+what was measured). The loopback NDIF server serves a folder in the dtype it was saved in (``TransformersModel``
+loads with the folder's ``dtype``), so a bfloat16 folder is a bfloat16 deployment; the server computes
+single-threaded, and remote equals local bit for bit.
+
+NDIF runs every request inside ``torch.autocast("cuda", dtype=<model dtype>)``; on the CPU
+``torch.autocast("cpu", dtype=torch.bfloat16)`` reproduces it, locally and on the loopback server
+(``LoopbackServer(..., autocast=True)``). The model's own forward does not move under it (its weights are already
+bfloat16), but the recipe's float32 arithmetic does (issue 19): that comparison is a strict xfail until it is fixed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+
+import pytest
+import torch
+from conftest import CONTRAST, PROMPTS, TARGET, single_threaded, tolerance
+
+import dla_recipes
+from dla_recipes.plan import module_at
+from dla_recipes.testing import tiny
+from dla_recipes.testing.loopback import LoopbackServer
+
+LAYER = 1
+BY = ["block", "head", "neuron"]
+# |parts sum - the norm's own output @ v|, each prompt alone, absolute (|that output @ v| is 0.5 to 18 here): measured
+# at most 0.076 in bfloat16 (gpt2, attn, by="head", 0.074; 0.089 with another random direction) and 0.011 in float16
+# (gpt2, attn, by="neuron") over the cases below, and 1.9e-6 in float32; about 2x. The gap is the half-precision
+# rounding of the stream's adds and of each write, which no component wrote.
+DIRECTION_ATOL = {torch.bfloat16: 0.18, torch.float16: 0.022}
+# |parts sum - the model's own logit difference|, each prompt alone, over max(1, |logit|): measured at most 2.2e-3 in
+# bfloat16 (llama, by="head", under autocast; 2.0e-3 without) and 1.7e-4 in float16 (llama, by="head"); about 2x.
+LOGIT_RTOL = {torch.bfloat16: 5e-3, torch.float16: 4e-4}
+# family, sublayer -> the norm that reads the stream in front of that sublayer (native names)
+NORMS = {("llama", "attn"): "input_layernorm", ("llama", "mlp"): "post_attention_layernorm",
+         ("gpt2", "attn"): "ln_1", ("gpt2", "mlp"): "ln_2", ("gemma2", "mlp"): "pre_feedforward_layernorm"}
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f32"}
+SERVED = [("llama", torch.bfloat16), ("gpt2", torch.bfloat16), ("mixtral", torch.bfloat16), ("llama", torch.float16),
+          ("llama", torch.float32)]
+HALF_SERVED = [f"{family}-{NAMES[dtype]}" for family, dtype in SERVED if dtype != torch.float32]
+AUTOCAST_SERVED = ["llama-bf16", "gpt2-bf16"]
+ISSUE_19 = pytest.mark.xfail(strict=True, reason="issue 19: autocast reaches the recipe")
+
+_MODELS: dict = {}
+
+
+def half_model(family: str, dtype: torch.dtype):
+    """A tiny perturbed ``family`` model in ``dtype`` (cached)."""
+    if (family, dtype) not in _MODELS:
+        _MODELS[family, dtype] = dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(),
+                                                  device_map="cpu", dispatch=True)
+    return _MODELS[family, dtype]
+
+
+def dtype_of(model) -> torch.dtype:
+    return next(model._module.parameters()).dtype
+
+
+def direction(family: str, seed: int = 0) -> torch.Tensor:
+    """A random ``[d_model]`` direction on the norm's output (a probe)."""
+    torch.manual_seed(seed)
+    return torch.randn(tiny.config(family).hidden_size)
+
+
+def normed_along(model, norm: str, prompt: str, v: torch.Tensor) -> float:
+    """The output of block ``LAYER``'s norm ``norm`` at the last token of ``prompt`` alone, along ``v``: a plain
+    transformers forward (no nnsight) with a torch forward hook on that norm."""
+    seen = []
+    handle = module_at(model.layers[LAYER], norm)._module.register_forward_hook(
+        lambda _, args, out: seen.append(out.detach()))
+    try:
+        ids = model.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            model._module(**ids)
+    finally:
+        handle.remove()
+    return float(seen[0][0, -1].double() @ v.double())
+
+
+def logit_difference(model, prompt: str) -> float:
+    """Target minus contrast at the last token of ``prompt`` alone, in a plain transformers forward."""
+    ids = model.tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        logits = model._module(**ids).logits[0, -1].double()
+    target, contrast = (model.tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in (TARGET, CONTRAST))
+    return float(logits[target] - logits[contrast])
+
+
+def assert_direction_sums(attr, model, norm: str, v: torch.Tensor):
+    """The parts sum to the norm's own output along ``v``, each prompt alone, within the dtype's measured bound."""
+    reference = torch.tensor([normed_along(model, norm, p, v) for p in PROMPTS])
+    dtype = dtype_of(model)
+    bound = DIRECTION_ATOL[dtype] if dtype in DIRECTION_ATOL else tolerance(reference)
+    gap = (attr.total - reference).abs()
+    assert bool((gap <= bound).all()), (gap, bound)
+    # the logit is read from that norm's output in the trace: the plain forward's, to float32 rounding of the dot
+    assert bool(((attr.logit - reference).abs() <= tolerance(reference)).all()), (attr.logit, reference)
+
+
+def assert_logit_sums(attr, model):
+    """The parts sum to the model's own logit difference, each prompt alone, within the dtype's measured bound."""
+    reference = torch.tensor([logit_difference(model, p) for p in PROMPTS])
+    rtol = LOGIT_RTOL.get(dtype_of(model), 1e-4)
+    gap = (attr.total - reference).abs()
+    assert bool((gap <= rtol * torch.clamp(reference.abs(), min=1.0)).all()), (gap, reference)
+
+
+# -- attribute_direction in bfloat16 / float16, locally --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("by", BY)
+@pytest.mark.parametrize("family,sublayer", list(NORMS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_direction_in_half_precision(dtype, family, sublayer, by):
+    model = half_model(family, dtype)
+    v = direction(family)
+    attr = dla_recipes.attribute_direction(model, PROMPTS, v, layer=LAYER, sublayer=sublayer, by=by, progress=False)
+    assert attr.values.dtype == torch.float32
+    assert_direction_sums(attr, model, NORMS[family, sublayer], v)
+
+
+# -- remote: a loopback NDIF server serving float32, bfloat16 and float16 folders -----------------------------------
+
+
+def serve(tmp_path_factory, names, **options):
+    root = tmp_path_factory.mktemp("served")
+    folders = {}
+    for family, dtype in SERVED:
+        name = f"{family}-{NAMES[dtype]}"
+        if name in names:
+            folders[name] = str(root / name)
+            tiny.build(family).to(dtype).save_pretrained(folders[name])
+            tiny.tokenizer().save_pretrained(folders[name])
+    return LoopbackServer(folders, api_key=secrets.token_hex(16), **options)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serve(tmp_path_factory, [f"{f}-{NAMES[d]}" for f, d in SERVED]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def autocast_server(tmp_path_factory):
+    """The same deployment behind NDIF's bracket: every request inside ``torch.autocast("cpu", <model dtype>)``."""
+    with serve(tmp_path_factory, AUTOCAST_SERVED, autocast=True) as running:
+        yield running
+
+
+def remote_and_local(server, name: str, call, bracket=contextlib.nullcontext):
+    """``call(model, remote)`` on the served model and on the same folder loaded locally (single-threaded, as the
+    server computes, inside ``bracket()``); returns ``(remote, local, the local model)``."""
+    if (server.url, name) not in _MODELS:  # built once per server
+        _MODELS[server.url, name] = server.remote_model(name), server.local_model(name, dispatch=True)
+    remote_model, local_model = _MODELS[server.url, name]
+    with server.client():
+        remote = call(remote_model, True)
+    with single_threaded(), bracket():
+        local = call(local_model, False)
+    assert all(p.device.type == "meta" for p in remote_model._module.parameters())  # it all ran server side
+    assert dtype_of(local_model) == {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32}[
+        name.rsplit("-", 1)[1]]
+    return remote, local, local_model
+
+
+def assert_identical(remote, local):
+    """Remote equals local bit for bit: the same code on the same CPU, single-threaded, in the same dtype (measured:
+    0.0 on every case here, bfloat16 and float16 included; the float32 logit of a batch can differ in its last bit,
+    see test_remote.py)."""
+    assert remote.labels == local.labels
+    assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+    assert torch.equal(remote.constant, local.constant)
+    torch.testing.assert_close(remote.logit, local.logit, atol=2e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("by", BY)
+@pytest.mark.parametrize("name", ["llama-f32", "llama-bf16", "llama-fp16", "gpt2-bf16"])
+def test_remote_direction(server, name, by):
+    v = direction(name.split("-")[0], 1)
+
+    def call(model, remote):
+        return dla_recipes.attribute_direction(model, PROMPTS, v, layer=LAYER, sublayer="mlp", by=by, remote=remote,
+                                               progress=False)
+
+    remote, local, model = remote_and_local(server, name, call)
+    assert_identical(remote, local)
+    assert_direction_sums(remote, model, NORMS[name.split("-")[0], "mlp"], v)
+
+
+@pytest.mark.parametrize("by", BY)
+@pytest.mark.parametrize("name", HALF_SERVED)
+def test_remote_half_precision(server, name, by):
+    def call(model, remote):
+        return dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, remote=remote, progress=False)
+
+    remote, local, model = remote_and_local(server, name, call)
+    assert_identical(remote, local)
+    assert_logit_sums(remote, model)
+
+
+# -- NDIF's autocast bracket --------------------------------------------------------------------------------------
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("by", BY)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_autocast_sums_match_the_plain_forward(family, by):
+    """Inside the bracket NDIF puts around a request: the parts sum to the model's own logit under the same bracket."""
+    model = half_model(family, torch.bfloat16)
+    with autocast():
+        attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, progress=False)
+        assert_logit_sums(attr, model)
+
+
+@pytest.mark.parametrize("by", ["block", pytest.param("head", marks=ISSUE_19), pytest.param("neuron", marks=ISSUE_19)])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_autocast_leaves_the_parts_alone(family, by):
+    """The bracket does not move a bfloat16 model's own forward (its weights are bfloat16 already), so it must not
+    move the parts: they are the recipe's float32 arithmetic. Measured (issue 19): the parts move by up to 1.6e-3 of
+    the largest part at by="head" (llama; gpt2 2.3e-4) and 1.6e-4 at by="neuron" (llama; gpt2 6.3e-5), not at
+    by="block"; float32 rounding would be ~1e-7."""
+    model = half_model(family, torch.bfloat16)
+    plain = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, progress=False)
+    with autocast():
+        bracketed = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, progress=False)
+    assert torch.equal(bracketed.logit, plain.logit)  # the model's own forward: unmoved
+    moved = float((bracketed.values - plain.values).abs().max())
+    assert moved <= 1e-5 * float(plain.values.abs().max()), moved
+
+
+@pytest.mark.parametrize("by", BY)
+@pytest.mark.parametrize("name", AUTOCAST_SERVED)
+def test_remote_under_autocast(autocast_server, name, by):
+    """The loopback server with NDIF's bracket: a request runs under it (a tensor made in the trace is bfloat16),
+    remote equals local under the same bracket bit for bit, and the parts sum to the plain forward under it."""
+    probe = autocast_server.remote_model(name)
+    with autocast_server.client(), torch.no_grad(), probe.trace(PROMPTS[0], remote=True):
+        made = (torch.ones(2, 2) @ torch.ones(2, 2)).save()
+    assert made.dtype == torch.bfloat16  # the bracket is on
+
+    def call(model, remote):
+        return dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, remote=remote, progress=False)
+
+    remote, local, model = remote_and_local(autocast_server, name, call, autocast)
+    assert_identical(remote, local)
+    with autocast():
+        assert_logit_sums(remote, model)
