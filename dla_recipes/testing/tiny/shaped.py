@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -178,9 +179,13 @@ _SHAPED: dict[str, tuple[str, dict]] = {
 
 
 def _cfg_shaped(model_type: str):
+    """A fresh config: the overrides are deep-copied, since a config may edit a list it is given in place
+    (Gemma4UnifiedConfig forces its last layer type to ``full_attention`` inside ``layer_types``); sharing ``_SW``
+    made every later ministral / cohere2 / vaultgemma / granite_swa model depend on whether gemma4_unified_text was
+    built before it in the process (its last block full instead of sliding: logits moved by up to 0.11)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **llama_like(**_SHAPED[model_type][1]))
+    return AutoConfig.for_model(model_type, **llama_like(**copy.deepcopy(_SHAPED[model_type][1])))
 
 
 SHAPED_FAMILIES: tuple[str, ...] = tuple(_SHAPED)
