@@ -84,7 +84,8 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
         family=plan.family.name,
         read_by=read_by,
         diagnostics={
-            "norm_fit_error": float(readout.norm_fit_error),
+            "norm_fit_error": max(float(readout.norm_fit_error), float(readout.pattern_error)),
+            "pattern_error": float(readout.pattern_error),
             "head_error": float(readout.head_error),
             "scale": readout.scale,
             **checked,

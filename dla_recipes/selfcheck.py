@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ExactnessError, NonFiniteError
+from .errors import DLAError, ExactnessError, NonFiniteError
 from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
 __all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
@@ -133,6 +133,8 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     bound = derived if tolerance is None else tolerance * torch.clamp(readout.logit.abs(), min=1.0)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
     _check_head(readout, plan, u, tolerance)
+    if by == "source":
+        _check_pattern(readout, plan, u, edits)
     _check_split(readout, plan, by, dtype, u, floor, bound, tolerance)
     gaps = (total + readout.split_gap - readout.logit).abs()
     if bool((gaps > bound).any()):
@@ -182,6 +184,30 @@ def _check_head(readout, plan, u: float, tolerance: float | None) -> None:
             f"{plan.softcap}) does not reproduce the model's output logits (off by {head_error:.3g} > "
             f"{head_bound:.3g}); fix its logits_times / logits_over / softcap entry in the family table (dla_recipes/families/)"
         )
+
+
+PATTERN_RTOL_FLOAT32 = 1e-3  # the heads rebuilt from pattern and values, against the model's, in float32 ...
+PATTERN_ROUNDINGS = 32  # ... and in low precision, in units of u (each rebuilt element is off by ~u, measured <= 2u)
+
+
+def _check_pattern(readout, plan, u: float, edits: bool) -> None:
+    """``by="source"``: the heads rebuilt from each block's attention pattern and values are what its output
+    projection reads (``Readout.pattern_error``), or the split is refused naming the block and the likely cause."""
+    error = float(getattr(readout, "pattern_error", 0.0))
+    allowed = PATTERN_RTOL_FLOAT32 if u <= UNIT_ROUNDOFF[torch.float32] else PATTERN_ROUNDINGS * u
+    if error <= allowed:
+        return
+    layer = int(readout.pattern_layer)
+    edit = (" Either the forward pass was edited between the pattern and the output projection (an edit of "
+            "o_proj's input, such as zeroing a head's slice, is after the values: edit the values "
+            "(self_attn.v_proj.output) or the pattern to split an edited head by source, or use by='head'), or"
+            if edits else "")
+    raise DLAError(
+        f"by='source' cannot split block {layer}'s heads ({plan.family.name}): the heads its output projection "
+        f"reads are not its attention pattern times its values (rebuilt, they are off by {error:.3g} of the heads' "
+        f"largest value; allowed {allowed:.2g}).{edit}{' t' if edits else ' T'}his family computes its heads otherwise "
+        "(a gate, a norm or a scale after the pattern), which the split does not describe. Use by='head'."
+    )
 
 
 def _term_label(plan, code: float) -> str:

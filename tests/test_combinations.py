@@ -56,11 +56,10 @@ LATENT = {"deepseek_v32"}  # no value projection to zero
 # an edit after a split term's projection: at these granularities it lands in that term's .edit column
 AFTER_PROJECTION = {"patch_attn": ("attn", {"head", "source"}), "steer_mlp": ("mlp", {"neuron", "expert"})}
 # by="source" splits a head into its sources from the attention pattern and the values, upstream of the output
-# projection's input: an edit of that input (the documented way to zero or patch a head) is not seen by the sources.
-# The sum holds (the difference lands in L{i}.attn.edit: 0.079 on tiny llama), but a zeroed head's sources keep their
-# unedited values (up to 0.04 each). A defect found by these tests; before the .edit columns it raised ExactnessError.
-SOURCES_MISS_HEAD_EDITS = pytest.mark.xfail(
-    strict=True, reason="by='source' reads heads upstream of o_proj's input: a head edit there is not seen")
+# projection's input: an edit of that input (the documented way to zero or patch a head) is not seen by the sources,
+# so the split is refused, naming the block and the edit (the rebuilt heads are checked against o_proj's input).
+# Before that check the sum held only through L{i}.attn.edit while a zeroed head's sources kept their values.
+SOURCES_REFUSE_HEAD_EDITS = ("zero_head", "patch_head")
 SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap")  # the config fields of a logit soft-cap
 
 
@@ -236,8 +235,7 @@ def model_for(family: str, by: str):
 
 
 def case(by: str, family: str, edit: str):
-    marks = [SOURCES_MISS_HEAD_EDITS] if by == "source" and edit in ("zero_head", "patch_head") else []
-    return pytest.param(by, family, edit, marks=marks, id=f"{by}-{family}-{edit}")
+    return pytest.param(by, family, edit, id=f"{by}-{family}-{edit}")
 
 
 CASES = [case(by, family, edit) for by, families in BY_FAMILIES.items() for family in families for edit in EDITS
@@ -254,6 +252,12 @@ def test_intervene_at_every_granularity(by, family, edit):
     model = model_for(family, by)
     assert family_of(model).padding_safe == (family not in UNSAFE), family
     change = make_edit(model, family, edit)
+    if by == "source" and edit in SOURCES_REFUSE_HEAD_EDITS:
+        with pytest.raises(dla_recipes.DLAError, match=r"by='source' cannot split block \d+'s heads.*o_proj's input") as info:
+            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, intervene=change.intervene,
+                                  progress=False)
+        assert type(info.value) is dla_recipes.DLAError  # a refusal, not an ExactnessError
+        return
     attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, intervene=change.intervene,
                                  progress=False)
     edited = [logit_difference(model, hooked_logits(model, p, change.hooks)) for p in PROMPTS]

@@ -164,8 +164,13 @@ def test_readme_counts_the_model_types():
     spec = importlib.util.spec_from_file_location("dla_families_table", ROOT / "notebooks" / "families_table.py")
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    quoted = {int(n) for n in re.findall(r"(\d+) model types", (ROOT / "README.md").read_text(encoding="utf-8"))}
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quoted = {int(n) for n in re.findall(r"(\d+) model types in the family table", readme)}
+    quoted |= {int(n) for n in re.findall(r"table covers (\d+) model types", readme)}
     assert quoted == {table.count()}, f"README quotes {sorted(quoted)} model types; the table has {table.count()}"
+    built = {tiny.config(family).model_type for family in tiny.FAMILIES} & {t for t, _ in table.model_types()}
+    quoted_built = {int(n) for n in re.findall(r"(\d+) (?:of them|model types) built as tiny", readme)}
+    assert quoted_built == {len(built)}, f"README says {sorted(quoted_built)} built as tiny models; {len(built)} are"
     page = table.render()
     for model_type, reason in dla_recipes.families.REFUSED.items():
         assert f"`{model_type}`" in page and reason in page

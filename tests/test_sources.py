@@ -14,6 +14,7 @@ import torch
 from conftest import (
     CONTRAST,
     PROMPTS,
+    SOURCE_WRONG,
     TARGET,
     assert_parts_are_the_models,
     eager_model,
@@ -141,7 +142,8 @@ def test_sources_match_first_principles(family):
         assert float(ref.abs().max()) > 1e-4  # the reference is not trivially zero
 
 
-@pytest.mark.parametrize("family", source_cases([f for f in tiny.FAMILIES if f not in SUPPORTED and f not in REFUSED]))
+@pytest.mark.parametrize("family", source_cases([f for f in tiny.FAMILIES
+                                                  if f not in SUPPORTED and f not in REFUSED and f not in SOURCE_WRONG]))
 def test_every_family_splits_exactly_or_refuses_clearly(family):
     """Every other family: by='source' either sums to the model's own logit (a plain forward of each prompt alone,
     the eager model's), its sources summing to the by='head' parts, with the pattern rebuilding the heads' real
@@ -162,13 +164,18 @@ def test_every_family_splits_exactly_or_refuses_clearly(family):
     assert attr.diagnostics["norm_fit_error"] <= 1e-4  # includes the pattern rebuilding the heads' outputs
 
 
-@pytest.mark.parametrize("family", REFUSED)
+@pytest.mark.parametrize("family", REFUSED + sorted(SOURCE_WRONG))
 def test_refused_clearly(family):
+    """Refused up front (REFUSED) or, where the family's heads are not pattern times values (``SOURCE_WRONG``: a
+    gate, a norm or a scale after the pattern), when the rebuilt heads do not match what the output projection
+    reads: a refusal naming the block, never an ExactnessError."""
     model = eager_model(family)
     with pytest.raises(DLAError) as raised:
         dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
     assert is_source_refusal(raised.value), f"{family}: not a refusal: {type(raised.value).__name__}: {raised.value}"
     assert not isinstance(raised.value, ExactnessError)
+    if family in SOURCE_WRONG:
+        assert "are not its attention pattern times its values" in str(raised.value), str(raised.value)
 
 
 def test_kv_shared_layers_refused_but_others_split():

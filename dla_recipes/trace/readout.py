@@ -27,6 +27,9 @@ class Readout:
         norm_fit_error: ``[]`` the largest relative fit error of a frozen norm (final and post-norms), and with
             ``by="source"`` of a head output rebuilt from the attention pattern and values.
         scale: ``[batch]`` the frozen scale of the norm the values were read through (the final norm for a logit).
+        pattern_error, pattern_layer: ``[]`` ``by="source"``: the largest error of a block's heads rebuilt from its
+            attention pattern and values against what its output projection reads (``max |sum_s A v - heads|`` over
+            ``max |heads|``), and that block (-1: none split by source).
 
     What the self-check (``selfcheck``) needs to bound the model's own rounding, all ``[batch]`` in logit units:
         logit_size: ``b(z_target) + b(z_contrast)``, ``b(z) = 2^floor(log2 |z|)``: each logit is rounded at its own
@@ -55,6 +58,8 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
     scale: torch.Tensor
+    pattern_error: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    pattern_layer: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     logit_size: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     head_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
@@ -67,7 +72,7 @@ class Readout:
     first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
 
-    FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale",
+    FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale", "pattern_error", "pattern_layer",
               "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "split_worst_gap",
               "split_worst_allowed", "split_worst_term", "finite_head", "first_nonfinite", "unit_roundoff")
 
@@ -85,6 +90,7 @@ class Readout:
         scalars = dict(zip(cls.FIELDS, extra.unbind(-1)))
         scalars["head_error"] = scalars["head_error"].max()
         scalars["norm_fit_error"] = scalars["norm_fit_error"].max()
+        scalars["pattern_error"], scalars["pattern_layer"] = scalars["pattern_error"][0], scalars["pattern_layer"][0]
         return cls(values=values, **scalars)
 
     @classmethod
@@ -92,8 +98,10 @@ class Readout:
         """One ``Readout`` of several batches' (in order): rows concatenated in float32, the two scalar checks
         (``head_error``, ``norm_fit_error``) their maximum."""
         scalars = ("head_error", "norm_fit_error")
-        rows = ("values",) + tuple(name for name in cls.FIELDS if name not in scalars)
+        worst = max(readouts, key=lambda r: float(r.pattern_error))  # the batch whose rebuilt heads are worst
+        rows = ("values",) + tuple(name for name in cls.FIELDS if name not in scalars + ("pattern_error", "pattern_layer"))
         return cls(
             **{name: torch.cat([getattr(r, name) for r in readouts]).float() for name in rows},
             **{name: torch.stack([getattr(r, name) for r in readouts]).max() for name in scalars},
+            pattern_error=worst.pattern_error.float().reshape(()), pattern_layer=worst.pattern_layer.float().reshape(()),
         )

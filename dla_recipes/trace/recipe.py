@@ -81,7 +81,8 @@ def scaled(scores: list, scale: torch.Tensor) -> list:
 def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
               stop: Stop | None = None, sources: Sources | None = None,
               offsets: torch.Tensor | None = None,
-              rounding: Rounding | None = None, edits: bool = False) -> tuple[torch.Tensor, list[float]]:
+              rounding: Rounding | None = None, edits: bool = False,
+              patterns: list | None = None) -> tuple[torch.Tensor, list[float]]:
     """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
     ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
@@ -91,7 +92,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``rounding`` (low precision only) collects what the model's own rounding is bounded with, unscaled: each split
     term's gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``). ``edits``:
     the forward pass may be edited, so each split term's gap is a column of its own (``L3.mlp.edit``, before its
-    rest): what it wrote beyond its parts and bias.
+    rest): what it wrote beyond its parts and bias. ``patterns`` collects each source-split block's
+    ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
     """
     rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
@@ -106,7 +108,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     for i, terms in enumerate(plan.terms_before(stop)):
         split = SourceSplit(sources, i, offsets) if by == "source" else None
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
-                                                        fit_errors, split, rounding, edits, i):
+                                                        fit_errors, split, rounding, edits, i, patterns):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -161,7 +163,10 @@ def direct_logit_attribution(
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
-        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding, edits)
+        patterns: list = []
+        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding, edits,
+                                       patterns)
+        pattern_error, pattern_layer = max(patterns, default=(0.0, -1))
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
@@ -199,6 +204,8 @@ def direct_logit_attribution(
             head_error=head_error.cpu(),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=final.scale.cpu(),
+            pattern_error=torch.tensor(float(pattern_error)),
+            pattern_layer=torch.tensor(float(pattern_layer)),
             **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
                               computed_in=model.lm_head.weight.dtype),
         )

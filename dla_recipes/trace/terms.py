@@ -199,14 +199,15 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
                  split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
-                 index: int = 0):
+                 index: int = 0, patterns: list | None = None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
     ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split``: the block's ``SourceSplit``
     (``by="source"``). ``rounding`` (low precision only) collects each checked split term's gap and squared noise
     (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own, before its rest (``score_term``);
-    ``index``: the block's index (names a checked term).
+    ``index``: the block's index (names a checked term); ``patterns`` collects ``(rebuild error, index)`` of the
+    heads split by source (else their rebuild errors join ``fit_errors``).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -222,7 +223,11 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
                 outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
                 fit_errors.append(outers[path].fit_error)
     fit_errors.extend(norm.fit_error for r in reads for norm in r.norms())
-    fit_errors.extend(r.parts.pattern_error for r in reads if isinstance(r.parts, sources.SourceReads))
+    rebuilt = [r.parts.pattern_error for r in reads if isinstance(r.parts, sources.SourceReads)]
+    if patterns is not None:  # the heads rebuilt from pattern and values: checked on their own (by="source")
+        patterns.extend((error, index) for error in rebuilt)
+    else:
+        fit_errors.extend(rebuilt)
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.write.outer_norm
