@@ -3,6 +3,9 @@
 #   make test   - make lint, then the whole test suite: unit, 38 families, real models, loopback NDIF server,
 #                 notebooks, docs site built with --strict and opened in headless Chromium, and the benchmark in
 #                 quick mode; it prints how long the suite took
+#   make test-fast - the inner loop (75 s measured on 2 shared cores): the suite less the tests marked slow, server,
+#                 browser and notebooks (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group
+#                 of the family table (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
 # Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
 # make docs-serve, make bench (the full benchmark), make clean.
 # make docs runs the notebooks and recipes that are not current (NOTEBOOKS=quickstart runs only those named), then
@@ -16,7 +19,7 @@ PIP := $(PY) -m pip --disable-pip-version-check --no-input
 export OMP_NUM_THREADS ?= 2
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo lint test docs docs-serve bench bench-quick clean
+.PHONY: demo lint test test-fast docs docs-serve bench bench-quick clean
 
 # The runtime: torch's CPU build first (from its pinned version, so nothing pulls a CUDA build), then the package.
 $(VENV)/.runtime: pyproject.toml constraints.txt
@@ -49,6 +52,20 @@ test: $(VENV)/.test lint
 	  $(PY) -m pytest -q tests && $(PY) benchmarks/run.py --quick --out build/bench-quick; \
 	  status=$$?; \
 	  echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
+	  exit $$status
+
+# No lint, no benchmark, no loopback server, browser or notebooks, real models only in SmolLM2's checks that share
+# one load (tests/test_real_models.py): make test runs the rest. One torch thread: the tiny models' ops are too
+# small to share, and two threads on this 2-core machine took 3x the time (measured on its 406 tiny-model tests,
+# other work on the machine: 66 s with one thread, 180 s with two); FAST_THREADS=2 to compare.
+FAST_MARKERS := not slow and not server and not browser and not notebooks
+FAST_THREADS ?= 1
+
+test-fast: $(VENV)/.test
+	@start=$$(date +%s); \
+	  OMP_NUM_THREADS=$(FAST_THREADS) DLA_FAST=1 $(PY) -m pytest -q -m "$(FAST_MARKERS)" tests; \
+	  status=$$?; \
+	  echo "make test-fast: the fast loop took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
 	  exit $$status
 
 # The docs' interpreter: DOCS_PYTHON if given, else the active environment's, else the project's .venv (built first).

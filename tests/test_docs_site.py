@@ -39,10 +39,18 @@ NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-t
                   "attribute-direction/", "ablate-patch-steer/", "gallery/"]
 PAGES = ["", *NOTEBOOK_PAGES, "family-table/", "layout/", "api/"]
 
-needs_browser = pytest.mark.skipif(
+_HAS_BROWSER = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
     reason="Debian's chromium and chromium-driver are not installed (apt-get install -y chromium chromium-driver)",
 )
+
+
+def needs_browser(test):
+    """A test of the built site in the browser: marked ``browser``, and ``notebooks`` and ``real`` (the site is
+    built from the executed notebooks, which run the default model); skipped without chromium."""
+    for mark in (_HAS_BROWSER, pytest.mark.browser, pytest.mark.notebooks, pytest.mark.real):
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +134,7 @@ def _page_errors(driver) -> list[str]:
     return errors
 
 
+@pytest.mark.slow  # a fresh interpreter: its imports alone take ~7 s of CPU
 def test_plots_keep_plotly_optional():
     """``dla_recipes.plots`` imports plotly and matplotlib only inside its functions."""
     code = "import sys, dla_recipes, dla_recipes.plots; print(sorted({'plotly', 'matplotlib'} & set(sys.modules)))"

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits, tiny_model, tolerance
+from conftest import BOUND_CEILING, CONTRAST, PROMPTS, TARGET, own_gap, plain_logits, tiny_model, tolerance
 
 import dla_recipes
 from dla_recipes import ExactnessError, FamilyTableError
@@ -105,7 +105,8 @@ def test_gemma4_moe_with_per_layer_inputs_composes_optional_terms():
 
 @pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text"])
 def test_bfloat16_experts_are_recomputed_in_float32(family, monkeypatch):
-    """Biases, [in, out] and flattened expert weights in bfloat16: sliced float32 products, the bfloat16 bound."""
+    """Biases, [in, out] and flattened expert weights in bfloat16: sliced float32 products; the parts sum to the model's
+    own bfloat16 logit (a plain forward of each prompt alone)."""
     from dla_recipes.math import linalg
     from dla_recipes.testing import tiny
 
@@ -114,9 +115,11 @@ def test_bfloat16_experts_are_recomputed_in_float32(family, monkeypatch):
     monkeypatch.setattr(linalg, "CHUNK_ELEMENTS", 64)  # a few rows of each expert's weight at a time
     sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
-    bound = whole.diagnostics["bound"]  # derived from bfloat16's rounding (check.py); attribute checked it too
-    assert bool(((whole.values.sum(-1) + whole.constant + whole.diagnostics["split_rounding"] - whole.logit).abs()
-                 <= bound).all())
+    # |parts' sum - own logit| / max(1, |own logit|), measured (seeds 0-2, 1 and 2 threads; notes/low_precision_gaps.py)
+    # at most 3.0e-3 (seed 0: gpt_oss 1.3e-3, dbrx 1.8e-3, llama4_text 3.0e-3)
+    assert own_gap(model, whole) <= 6e-3
+    bound = whole.diagnostics["bound"]  # derived from bfloat16's rounding (selfcheck.py): measured at most 0.0157 here
+    assert bool((bound <= BOUND_CEILING[torch.bfloat16] * torch.clamp(whole.logit.abs(), min=1.0)).all())
 
 
 REMOTE = ["gpt_oss", "cohere2_moe"]  # own gating and biases; a scale given by a function of the config
@@ -141,6 +144,7 @@ def server(tmp_path_factory):
 
 @pytest.mark.parametrize("by", ["expert", "neuron"])
 @pytest.mark.parametrize("family", REMOTE)
+@pytest.mark.server
 def test_remote_layouts_equal_local(server, family, by):
     """The layout (its gating method name, its scale function) travels by value; the server has no dla_recipes.
 

@@ -126,13 +126,15 @@ def test_odd_width_norm():
 
 
 def test_bfloat16_norm_is_frozen_at_its_own_precision():
+    torch.manual_seed(0)
     norm, *_ = _layernorm()
     norm = norm.to(torch.bfloat16)
     stream = torch.randn(4, D, dtype=torch.bfloat16)
     frozen = FrozenNorm(norm, stream)
     with torch.no_grad():
         reference = norm(stream).float()
-    assert (frozen(stream) + frozen.bias - reference).abs().max() < 0.05 * reference.abs().max()
+    # measured over 200 seeds (notes/low_precision_gaps.py): at most 4.4e-3 of the output's largest entry
+    assert (frozen(stream) + frozen.bias - reference).abs().max() < 8.8e-3 * reference.abs().max()
 
 
 def test_norm_without_weights_is_probed_at_the_width_of_its_stream():

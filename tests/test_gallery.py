@@ -23,6 +23,8 @@ import dla_recipes
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = notebook_runner()
 RECIPES = RUNNER.recipes()
+# each recipe executed in a fresh kernel: they load the default model, a remote one starts a loopback NDIF server
+EXECUTED = [pytest.param(p, id=p.stem, marks=[pytest.mark.server] if RUNNER.needs_ndif(p) else []) for p in RECIPES]
 
 
 def test_the_gallery_has_its_recipes():
@@ -56,7 +58,9 @@ def test_readme_first_example_is_the_first_recipe():
     assert first.group(1) == RECIPES[0].read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+@pytest.mark.parametrize("path", EXECUTED)
+@pytest.mark.notebooks
+@pytest.mark.real
 def test_recipe_runs_alone_in_a_fresh_kernel(path):
     import nbformat
 
@@ -74,6 +78,9 @@ def test_recipe_runs_alone_in_a_fresh_kernel(path):
     assert RUNNER.is_fresh(path, RUNNER.RECIPE_OUT_DIR)
 
 
+@pytest.mark.notebooks
+@pytest.mark.real
+@pytest.mark.server
 def test_remote_recipe_ran_on_the_loopback_server():
     """The remote recipe's model had no weights on the client, and its run went through a server (its env)."""
     path = RUNNER.RECIPE_DIR / "70_remote_ndif.py"
@@ -86,6 +93,9 @@ def test_remote_recipe_ran_on_the_loopback_server():
     assert "Attribution(llama, by='head'" in text, text
 
 
+@pytest.mark.notebooks
+@pytest.mark.real
+@pytest.mark.server  # executes every recipe, the remote one included (reused when already executed)
 def test_gallery_page_and_times():
     """The page has every recipe's code and outputs, its download links and time; timings.json has every recipe."""
     import json
@@ -110,6 +120,7 @@ def test_gallery_page_and_times():
           + ", ".join(f"{r.name} {r.seconds:.1f} s" for r in results) + f"; total {sum(r.seconds for r in results):.1f} s")
 
 
+@pytest.mark.slow  # a fresh interpreter: its imports alone take ~7 s of CPU
 def test_plots_without_plotly_says_how_to_install():
     """``dla_recipes.plots`` without plotly raises an ImportError naming the extra, not a bare ModuleNotFoundError."""
     code = (

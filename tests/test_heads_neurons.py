@@ -8,7 +8,7 @@ attribution to what zeroing it does to the model's own attention output.
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, tiny_model, tolerance
+from conftest import CONTRAST, PROMPTS, TARGET, fast_sweep, tiny_model, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dla_recipes
@@ -28,7 +28,8 @@ def _splits(family: str) -> list[str]:
     return sorted({GRANULARITY[s] for s in splits} | ({"neuron"} if "experts" in splits else set()))
 
 
-CASES = [(family, by) for family in tiny.FAMILIES for by in _splits(family)]
+# _splits loads each model, at collection: with DLA_FAST set, only the families the fast loop runs (conftest.py)
+CASES = [(family, by) for family in fast_sweep(tiny.FAMILIES) for by in _splits(family)]
 
 
 @pytest.mark.parametrize("family,by", CASES)
@@ -43,6 +44,7 @@ def test_parts_plus_rest_equal_the_block_term(family, by):
     assert bool(((summed.values - block.values).abs() <= bound).all()), (summed.values - block.values).abs().max()
 
 
+@pytest.mark.slow  # loads every tiny model (already loaded for CASES unless DLA_FAST is set)
 def test_every_family_with_heads_is_split():
     """No family with attention heads is left at block level (a skipped family is not a done family)."""
     unsplit = [f for f in tiny.FAMILIES if "head" not in _splits(f)]

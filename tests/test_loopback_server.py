@@ -26,6 +26,8 @@ PROMPT = "w1 w5 w9 w2 w7"
 LONG_PROMPT = " ".join(f"w{i % VOCAB}" for i in range(7, 7 + 96))
 INLINE_LIMIT = 4096  # results above this are downloaded (GET /result), below it ride on the websocket
 
+pytestmark = pytest.mark.server
+
 
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -2,12 +2,13 @@
 
 A bfloat16 model on NDIF must not make the recipe hold a float32 copy of a whole ``[d_mlp, d_model]`` matrix.
 ``matmul_f32`` converts a bounded slice of rows at a time; these tests check it against the plain float32
-product, and check a whole bfloat16 attribution against the model's own logit at the bfloat16 tolerance.
+product, and check a whole bfloat16 attribution against the model's own logit (a plain bfloat16 forward of each
+prompt alone), within what measurement found.
 """
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET
+from conftest import BOUND_CEILING, CONTRAST, PROMPTS, TARGET, own_gap
 
 import dla_recipes
 from dla_recipes.math import linalg
@@ -33,11 +34,12 @@ def test_bfloat16_model_is_attributed_in_float32(family, monkeypatch):
     sliced = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron")
     assert whole.values.dtype == torch.float32
     torch.testing.assert_close(sliced.values, whole.values, atol=1e-6, rtol=1e-5)
-    # the parts sum to the model's own bfloat16 logit within the bound its bfloat16 rounding allows (attribute checks
-    # it too): the split projections' own rounding is reported apart, as diagnostics["split_rounding"]
-    bound, split = whole.diagnostics["bound"], whole.diagnostics["split_rounding"]
-    assert bool(((whole.values.sum(-1) + whole.constant + split - whole.logit).abs() <= bound).all())
-    assert bool((bound < 0.1 * torch.clamp(whole.logit.abs(), min=1.0)).all())
+    # the parts sum to the model's own bfloat16 logit, a plain forward of each prompt alone: measured (seeds 0-2, 1
+    # and 2 threads; notes/low_precision_gaps.py) at most 1.9e-3 of max(1, |logit|) (seed 0: llama 1.85e-3, mixtral
+    # 8.5e-4, gpt2 7.3e-4)
+    assert own_gap(model, whole) <= 3.9e-3
+    # the bound the self-check allowed stays a bound, not a blank cheque (measured at most 0.0177 here)
+    assert bool((whole.diagnostics["bound"] <= BOUND_CEILING[torch.bfloat16] * torch.clamp(whole.logit.abs(), min=1.0)).all())
 
 
 def test_the_error_is_shown_with_its_bound_and_dtype():

@@ -27,6 +27,8 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.notebooks
+@pytest.mark.real
 def test_notebook_executes(source):
     import nbformat
 
@@ -52,6 +54,8 @@ def test_source_notebooks_carry_no_outputs():
                 assert not cell.outputs and cell.execution_count is None, f"{source.name} has stored outputs"
 
 
+@pytest.mark.notebooks
+@pytest.mark.real
 def test_record_execution_times():
     """Reports (does not assert) how long the notebooks took: time is measured, not tested."""
     results = [RUNNER.execute(source) for source in NOTEBOOKS]  # executed above in this process: the recorded results

@@ -18,8 +18,12 @@ from dla_recipes import models, trace_attribution
 EIFFEL = "The Eiffel Tower is in the city of"
 PROMPTS = [EIFFEL, "The capital of Italy is the city of", "Paris is the capital of"]
 
+pytestmark = pytest.mark.real
+# SmolLM2's checks share one load (a few seconds) and run in make test-fast; Gemma-3-270M's load is the slow one
+MODELS = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)]
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+
+@pytest.fixture(scope="module", params=MODELS)
 def real_model(request):
     path = models.REGISTRY[request.param]()
     return dla_recipes.load(path, dtype=torch.float32, device_map="cpu")

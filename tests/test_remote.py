@@ -17,6 +17,8 @@ from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback import LoopbackServer, free_port
 
+pytestmark = pytest.mark.server
+
 SERVED = ["gpt2", "llama", "gemma2"]  # a LayerNorm + Conv1D family, an RMSNorm/GQA family, a sandwich-norm family
 # issue 12's term kinds on a model built without weights: norms on the stream (MiniMax), post-norm blocks and no final
 # norm (OpenAI GPT), norms without weights and a final norm that also runs before the blocks (nanochat)

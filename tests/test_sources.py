@@ -12,6 +12,7 @@ held: ``(y - b) / c(x)`` elementwise, ``c`` the centering of a LayerNorm), the b
 import pytest
 import torch
 from conftest import (
+    BOUND_CEILING,
     CONTRAST,
     PROMPTS,
     SOURCE_WRONG,
@@ -245,6 +246,7 @@ def test_earlier_position_has_zeros_after_it():
     assert grid.shape[-1] == 3 and attr.positions == (2,)
 
 
+@pytest.mark.server
 def test_remote_equals_local(tmp_path):
     """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
     import secrets
@@ -284,6 +286,8 @@ def test_remote_equals_local(tmp_path):
         assert torch.equal(remote.values, local.values)
 
 
+@pytest.mark.real
+@pytest.mark.slow  # loads SmolLM2 for this test alone: ~4 s of CPU
 def test_real_smollm2():
     from dla_recipes import models
 
@@ -319,7 +323,6 @@ def test_low_precision(family, dtype):
                              attn_implementation="eager")
     attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source")
     heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
-    rtol = {torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]  # the bound attribute itself checked is finer
     # |parts - the plain forward's pre-cap logit difference|, measured (llama, gemma3; by source and head): at most
     # 1.45e-3 in bfloat16, 1.9e-4 in float16 (the model's own logits rounded in its dtype, the padded batch's
     # rounding against each prompt alone); the tolerance is twice that.
@@ -327,8 +330,13 @@ def test_low_precision(family, dtype):
     totals = attr.values.double().sum(-1) + attr.constant.double()
     expected = torch.tensor(plain_differences(model), dtype=torch.float64)
     assert ((totals - expected).abs() <= gap * expected.abs().clamp(min=1.0)).all(), (totals.tolist(), expected.tolist())
-    assert float((attr.heads().values - heads.values).abs().max()) <= rtol * max(1.0, float(heads.values.abs().max()))
-    assert attr.diagnostics["norm_fit_error"] < rtol  # the pattern rebuilds the heads the model computed
+    assert bool((attr.diagnostics["bound"] <= BOUND_CEILING[dtype] * torch.clamp(attr.logit.abs(), min=1.0)).all())
+    # measured on llama and gemma3 (seeds 0-2, 1 and 2 threads; notes/low_precision_gaps.py), each allowed ~2x:
+    # |sources regrouped by head - by="head"| / max(1, max |by="head"|): bfloat16 2.7e-4, float16 3.5e-5 (the
+    # tolerance was 5e-2 and 1e-2); norm_fit_error: 3.8e-3, 5.1e-4 (was below 5e-2 and 1e-2)
+    by_head, fit = {torch.bfloat16: (5.4e-4, 7.5e-3), torch.float16: (7e-5, 1e-3)}[dtype]
+    assert float((attr.heads().values - heads.values).abs().max()) <= by_head * max(1.0, float(heads.values.abs().max()))
+    assert attr.diagnostics["norm_fit_error"] < fit  # the pattern rebuilds the heads the model computed
 
 
 def test_cli_by_source(tmp_path, capsys):

@@ -8,7 +8,7 @@ that each is refused with the right error, in float32 and in bfloat16, and that 
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, plain_logits
+from conftest import BOUND_CEILING, CONTRAST, PROMPTS, TARGET, own_gap, plain_logits
 
 import dla_recipes
 from dla_recipes import selfcheck as check
@@ -96,6 +96,8 @@ def test_a_vector_added_to_a_block_output_is_caught(family, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.real
+@pytest.mark.slow  # loads SmolLM2 for this test alone: ~4 s of CPU
 def test_a_random_vector_added_to_a_smollm2_block_is_caught(dtype):
     """SmolLM2-135M: a fixed random direction, 0.3% of the stream's norm in float32, 5% in bfloat16 (measured over
     4 random directions: all caught from 3% in bfloat16, 2 of 4 at 1%; all from 0.1% in float32)."""
@@ -122,13 +124,17 @@ def test_a_gap_near_the_rounding_blames_precision(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_low_precision_models_pass_with_a_bound_from_their_rounding(family, dtype):
+    """The parts sum to the model's own logit (a plain forward of each prompt alone, in its dtype) within what was
+    measured, and the self-check's bound stays under its measured ceiling (conftest.BOUND_CEILING)."""
+    # |parts' sum - own logit| / max(1, |own logit|), measured over these families and granularities (seeds 0-2, 1 and
+    # 2 threads; notes/low_precision_gaps.py): bfloat16 at most 2.5e-3 (seed 0: 2.0e-3), float16 3.0e-4 (2.2e-4)
+    allowed = {torch.bfloat16: 5e-3, torch.float16: 6e-4}[dtype]
     model = _tiny(family, dtype)
     for by in ("block", "head", "neuron"):
         attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
         bound, split = attr.diagnostics["bound"], attr.diagnostics["split_rounding"]
-        gaps = (attr.total + split - attr.logit).abs()
-        assert bool((gaps <= bound).all())
-        assert bool((bound < 0.1 * torch.clamp(attr.logit.abs(), min=1.0)).all())  # a bound, not a blank cheque
+        assert own_gap(model, attr) <= allowed, (by, own_gap(model, attr))
+        assert bool((bound <= BOUND_CEILING[dtype] * torch.clamp(attr.logit.abs(), min=1.0)).all())  # not a blank cheque
         if by == "block":
             assert bool((split == 0).all())
         else:  # the projections' own rounding is reported, not hidden in the gap
@@ -202,6 +208,8 @@ def test_bfloat16_parts_match_a_float64_recomputation(family):
         attr = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="block")
         expected = torch.stack([scale * (seen[label].double() * gain * head).sum() for label in attr.labels])
         worst = float((attr.values[0].double() - expected.detach()).abs().max())
+        # measured (notes/low_precision_gaps.py): worst / largest part 8.1e-4 (llama), 4.0e-4 (gemma3) at seed 0;
+        # other seeds' models reach 1.5e-3 (seeds 1-2), so 1e-3 holds this model (seed 0), not every draw
         assert worst <= 1e-3 * float(expected.abs().max()), (prompt, worst, float(expected.abs().max()))
 
 
@@ -232,6 +240,8 @@ def test_results_come_back_in_the_users_order_on_an_unsafe_family():
         assert float(attr.output_logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
 
 
+@pytest.mark.real
+@pytest.mark.slow  # about 20 s of CPU: 12 bfloat16 SmolLM2 calls
 def test_a_sample_of_the_false_alarm_sweep_raises_no_false_alarm():
     """12 calls of ``benchmarks/false_alarms.py`` on SmolLM2 in bfloat16 (the script runs >= 200 per model and dtype),
     including " the" - " a" on "The Vatican is in" and " Paris" - " Rome": small differences of large logits."""
