@@ -3,7 +3,7 @@
 #   make test   - make lint, then the whole test suite: unit, 38 families, real models, loopback NDIF server,
 #                 notebooks, docs site built with --strict and opened in headless Chromium, and the benchmark in
 #                 quick mode; it prints how long the suite took
-#   make test-fast - the inner loop (75 s measured on 2 shared cores): the suite less the tests marked slow, server,
+#   make test-fast - the inner loop (75 s measured on 2 shared cores): the suite less the tests marked slow, server, mutants,
 #                 browser and notebooks (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group
 #                 of the family table (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
 # Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
@@ -58,7 +58,7 @@ test: $(VENV)/.test lint
 # one load (tests/test_real_models.py): make test runs the rest. One torch thread: the tiny models' ops are too
 # small to share, and two threads on this 2-core machine took 3x the time (measured on its 406 tiny-model tests,
 # other work on the machine: 66 s with one thread, 180 s with two); FAST_THREADS=2 to compare.
-FAST_MARKERS := not slow and not server and not browser and not notebooks
+FAST_MARKERS := not slow and not server and not browser and not notebooks and not mutants
 FAST_THREADS ?= 1
 
 test-fast: $(VENV)/.test

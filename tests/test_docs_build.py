@@ -38,7 +38,8 @@ def test_make_docs_uses_the_active_environment(variable, tmp_path):
     assert f"{env}/bin/python notebooks/execute.py --reuse" in commands
     assert f"DLA_DOCS_PARTIAL=1 {env}/bin/python -m mkdocs build --strict" in commands
     assert "-m venv" not in commands and "pip" not in commands.replace("pip install -e", ""), commands
-    assert "-m venv .venv" in _dry_run(), "without an active environment it builds the project's .venv first"
+    fresh = str(tmp_path / "fresh-venv")  # a project venv that does not exist yet (the checkout's may well exist)
+    assert f"-m venv {fresh}" in _dry_run(VENV=fresh), "without an active environment it builds the project's venv first"
 
 
 def _fake_executed(source: Path, out_dir: Path, fresh: bool = True) -> None:
