@@ -365,7 +365,7 @@ def own_gap(model, attr, prompts=PROMPTS) -> float:
 
 
 # The most the self-check's bound (diagnostics["bound"] / max(1, |logit|)) may be, per dtype: about 2x the largest
-# measured (notes/low_precision_gaps.py, seeds 0-2, 1 and 2 threads, the tiny families and granularities of
+# measured (notes/low_precision_gaps.py, seeds 0-2, the tiny families and granularities of
 # test_trust, test_low_precision, test_experts_layouts and test_sources): bfloat16 0.0177, float16 0.00217. A bound
 # that grows past it is loosening, not the model's rounding (the real gaps are 5-10x below the bound).
 BOUND_CEILING = {torch.bfloat16: 3.5e-2, torch.float16: 4.3e-3}

@@ -310,6 +310,7 @@ def test_intervene_at_every_granularity(by, family, edit):
 
 
 @pytest.mark.real
+@pytest.mark.slow  # loads SmolLM2 for this test alone: ~4 s of CPU
 def test_smollm2_patch_and_zero_at_neuron_granularity():
     """SmolLM2-135M: one head patched from a second prompt and another zeroed, attributed by neuron on a padded
     batch of two prompts of different lengths; the MLP steered at by="head" (the MLPs stay whole there)."""

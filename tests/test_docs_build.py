@@ -51,6 +51,7 @@ def _fake_executed(source: Path, out_dir: Path, fresh: bool = True) -> None:
     nbformat.write(nb, RUNNER.executed_path(source, out_dir))
 
 
+@pytest.mark.slow  # two mkdocs builds of the site, each a fresh interpreter
 def test_the_docs_build_what_has_run(tmp_path):
     """One notebook current, one stale, the others and the gallery never run: the partial build succeeds under
     --strict and marks each page for what it is; the strict build refuses the missing copies."""

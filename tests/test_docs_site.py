@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
+import inspect
 import os
 import re
 import shutil
@@ -46,9 +47,13 @@ _HAS_BROWSER = pytest.mark.skipif(
 
 
 def needs_browser(test):
-    """A test of the built site in the browser: marked ``browser``, and ``notebooks`` and ``real`` (the site is
-    built from the executed notebooks, which run the default model); skipped without chromium."""
-    for mark in (_HAS_BROWSER, pytest.mark.browser, pytest.mark.notebooks, pytest.mark.real):
+    """A test of this module: skipped without chromium, marked ``browser``, and ``notebooks``, ``real`` and
+    ``server`` too when it reads the built site (the ``site`` or ``server`` fixture: the site is built from the
+    executed notebooks and recipes, which run the default model, the remote recipe on a loopback NDIF server)."""
+    marks = [_HAS_BROWSER, pytest.mark.browser]
+    if {"site", "server"} & set(inspect.signature(test).parameters):
+        marks += [pytest.mark.notebooks, pytest.mark.real, pytest.mark.server]
+    for mark in marks:
         test = mark(test)
     return test
 

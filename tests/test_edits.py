@@ -15,6 +15,8 @@ import torch
 import dla_recipes
 from dla_recipes import models
 
+pytestmark = pytest.mark.slow  # both real models in bfloat16 (and float32), ~12 s of CPU for SmolLM2's part alone
+
 EIFFEL = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
 

@@ -133,8 +133,9 @@ def test_bfloat16_norm_is_frozen_at_its_own_precision():
     frozen = FrozenNorm(norm, stream)
     with torch.no_grad():
         reference = norm(stream).float()
-    # measured over 200 seeds (notes/low_precision_gaps.py): at most 4.4e-3 of the output's largest entry
-    assert (frozen(stream) + frozen.bias - reference).abs().max() < 8.8e-3 * reference.abs().max()
+    # measured over 200 seeds (notes/low_precision_gaps.py): at most 6.0e-3 of the output's largest entry (seed 0:
+    # 4.1e-3; the tolerance was 5e-2)
+    assert (frozen(stream) + frozen.bias - reference).abs().max() < 1.2e-2 * reference.abs().max()
 
 
 def test_norm_without_weights_is_probed_at_the_width_of_its_stream():

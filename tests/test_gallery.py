@@ -182,6 +182,8 @@ def part(attr, row: int, label: str) -> float:
 
 
 @pytest.mark.parametrize("name", REAL_MODELS)
+@pytest.mark.real
+@pytest.mark.slow  # a recipe on each real model (each loaded once per session: SmolLM2 ~5 s of CPU, Gemma-3 ~10 s)
 def test_ablate_recipe_zeroes_the_head_on_real_models(name, monkeypatch, tmp_path):
     """Recipe 50's ablated heads write exactly nothing on both real models (it asserts so for each of its 5 heads)."""
     ns = run_recipe_on(name, "50_ablate_then_attribute", monkeypatch, tmp_path)
@@ -190,6 +192,8 @@ def test_ablate_recipe_zeroes_the_head_on_real_models(name, monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("name", REAL_MODELS)
+@pytest.mark.real
+@pytest.mark.slow  # a recipe on each real model (each loaded once per session: SmolLM2 ~5 s of CPU, Gemma-3 ~10 s)
 def test_patch_recipe_patches_exactly_the_head_on_real_models(name, monkeypatch, tmp_path):
     """Recipe 60 with the patched value zeroed: the head's part at the patched position is exactly 0, so the recipe's
     slice is the whole head and nothing else of it is left."""

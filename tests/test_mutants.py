@@ -30,7 +30,7 @@ RESULTS: dict[str, tuple[str, float, list[str]]] = {}  # name -> (outcome, secon
 
 def run_targets(mutant: str | None) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``mutants.TARGETS`` in a fresh pytest, under ``mutant`` (None: unmutated)."""
-    env = {k: v for k, v in os.environ.items() if k not in (mutants.ENV, "DLA_RECORD", "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in os.environ.items() if k not in (mutants.ENV, "DLA_RECORD", "DLA_FAST", "PYTEST_ADDOPTS")}
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     env["COLUMNS"] = "400"  # the -rf lines keep their error type
     if mutant is not None:

@@ -182,6 +182,7 @@ def assert_identical(remote, local):
 
 @pytest.mark.parametrize("by", BY)
 @pytest.mark.parametrize("name", ["llama-f32", "llama-bf16", "llama-fp16", "gpt2-bf16"])
+@pytest.mark.server
 def test_remote_direction(server, name, by):
     v = direction(name.split("-")[0], 1)
 
@@ -196,6 +197,7 @@ def test_remote_direction(server, name, by):
 
 @pytest.mark.parametrize("by", BY)
 @pytest.mark.parametrize("name", HALF_SERVED)
+@pytest.mark.server
 def test_remote_half_precision(server, name, by):
     def call(model, remote):
         return dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, remote=remote, progress=False)
@@ -240,6 +242,7 @@ def test_autocast_leaves_the_parts_alone(family, by):
 
 @pytest.mark.parametrize("by", BY)
 @pytest.mark.parametrize("name", AUTOCAST_SERVED)
+@pytest.mark.server
 def test_remote_under_autocast(autocast_server, name, by):
     """The loopback server with NDIF's bracket: a request runs under it (a tensor made in the trace is bfloat16),
     remote equals local under the same bracket bit for bit, and the parts sum to the plain forward under it."""

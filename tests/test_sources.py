@@ -331,7 +331,7 @@ def test_low_precision(family, dtype):
     expected = torch.tensor(plain_differences(model), dtype=torch.float64)
     assert ((totals - expected).abs() <= gap * expected.abs().clamp(min=1.0)).all(), (totals.tolist(), expected.tolist())
     assert bool((attr.diagnostics["bound"] <= BOUND_CEILING[dtype] * torch.clamp(attr.logit.abs(), min=1.0)).all())
-    # measured on llama and gemma3 (seeds 0-2, 1 and 2 threads; notes/low_precision_gaps.py), each allowed ~2x:
+    # measured on llama and gemma3 (seeds 0-2; notes/low_precision_gaps.py), each allowed ~2x:
     # |sources regrouped by head - by="head"| / max(1, max |by="head"|): bfloat16 2.7e-4, float16 3.5e-5 (the
     # tolerance was 5e-2 and 1e-2); norm_fit_error: 3.8e-3, 5.1e-4 (was below 5e-2 and 1e-2)
     by_head, fit = {torch.bfloat16: (5.4e-4, 7.5e-3), torch.float16: (7e-5, 1e-3)}[dtype]
