@@ -3,7 +3,7 @@
 #   make test   - make lint, then the whole test suite: unit, 38 families, real models, loopback NDIF server,
 #                 notebooks, docs site built with --strict and opened in headless Chromium, and the benchmark in
 #                 quick mode; it prints how long the suite took
-#   make test-fast - the inner loop (75 s measured on 2 shared cores): the suite less the tests marked slow, server, mutants,
+#   make test-fast - the inner loop (104 s measured on 2 shared cores): the suite less the tests marked slow, server, mutants,
 #                 browser and notebooks (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group
 #                 of the family table (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
 # Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
