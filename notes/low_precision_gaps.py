@@ -126,33 +126,11 @@ def frozen_norm_case(draws):
 
 
 def float64_case(family, seed):
-    """test_trust.test_bfloat16_parts_match_a_float64_recomputation (its body, the ratio kept instead of asserted):
-    the worst block part's gap to the float64 recomputation / the largest part."""
-    from test_trust import _captured_run
+    """test_trust.test_bfloat16_parts_match_a_float64_recomputation (its ``float64_gaps``, the ratio kept instead of
+    asserted): the worst block part's gap to the float64 recomputation / the largest part."""
+    from test_trust import float64_gaps
 
-    model = load(family, torch.bfloat16, seed)
-    hf = model._module
-    norm = hf.model.norm
-    with torch.no_grad():
-        norm.weight.copy_(torch.linspace(-0.45, 0.8, norm.weight.numel()).to(torch.bfloat16))
-    post = {"gemma3": ("post_attention_layernorm", "post_feedforward_layernorm")}.get(family)
-    sites = {"embed": (hf.model.layers[0], "input"), "final": (norm, "input")}
-    for i, layer in enumerate(hf.model.layers):
-        sites[f"L{i}.attn"] = (getattr(layer, post[0]) if post else layer.self_attn, "output")
-        sites[f"L{i}.mlp"] = (getattr(layer, post[1]) if post else layer.mlp, "output")
-    ids = model.tokenizer.convert_tokens_to_ids([TARGET, CONTRAST])
-    head = (hf.lm_head.weight[ids[0]].double() - hf.lm_head.weight[ids[1]].double()).detach()
-    gain = norm.weight.double().detach() + (1.0 if family == "gemma3" else 0.0)
-    eps = float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
-    ratios = []
-    for prompt in PROMPTS:
-        seen = _captured_run(hf, model.tokenizer(prompt, return_tensors="pt"), sites)
-        x = seen["final"].double()
-        scale = 1.0 / torch.sqrt((x * x).mean() + eps)
-        attr = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="block")
-        expected = torch.stack([scale * (seen[label].double() * gain * head).sum() for label in attr.labels])
-        ratios.append(float((attr.values[0].double() - expected.detach()).abs().max()) / float(expected.abs().max()))
-    return {"ratio": max(ratios)}
+    return {"ratio": max(worst / largest for _, worst, largest in float64_gaps(load(family, torch.bfloat16, seed), family))}
 
 
 def main():

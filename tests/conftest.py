@@ -371,6 +371,20 @@ def own_gap(model, attr, prompts=PROMPTS) -> float:
 BOUND_CEILING = {torch.bfloat16: 3.5e-2, torch.float16: 4.3e-3}
 
 
+def hooked_output(model, module, prompt: str) -> torch.Tensor:
+    """``[pos, ...]``: ``module``'s (a torch module of ``model._module``) real output in a plain transformers forward
+    of one unpadded ``prompt``, captured with a forward hook (no nnsight involved)."""
+    seen = []
+    handle = module.register_forward_hook(lambda _, args, output: seen.append(output.detach()))
+    try:
+        ids = model.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            model._module(**ids)
+    finally:
+        handle.remove()
+    return seen[0][0]
+
+
 @contextlib.contextmanager
 def single_threaded():
     """Run torch single-threaded, as the loopback NDIF server computes: float reductions depend on the thread count,

@@ -8,7 +8,7 @@ attention norm's scale while the other rows used the MLP norm's, cannot happen h
 
 import pytest
 import torch
-from conftest import PROMPTS, tiny_model, tolerance
+from conftest import PROMPTS, hooked_output, tiny_model, tolerance
 
 import dla_recipes
 from dla_recipes import InputError
@@ -24,16 +24,7 @@ def _direction(model, seed=0):
 
 def _hooked_norm_output(model, norm_path: str, prompt: str) -> torch.Tensor:
     """``[pos, d_model]``: the norm's real output in a plain forward of one prompt (a forward hook, no nnsight)."""
-    norm = module_at(model.layers[LAYER], norm_path)._module
-    seen = []
-    handle = norm.register_forward_hook(lambda module, args, output: seen.append(output.detach()))
-    try:
-        ids = model.tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            model._module(**ids)
-    finally:
-        handle.remove()
-    return seen[0][0].float()
+    return hooked_output(model, module_at(model.layers[LAYER], norm_path)._module, prompt).float()
 
 
 @pytest.mark.parametrize("family,sublayer,norm", [

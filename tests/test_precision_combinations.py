@@ -21,7 +21,7 @@ import secrets
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, single_threaded, tolerance
+from conftest import CONTRAST, PROMPTS, TARGET, hooked_output, single_threaded, tolerance
 
 import dla_recipes
 from dla_recipes.plan import module_at
@@ -72,16 +72,7 @@ def direction(family: str, seed: int = 0) -> torch.Tensor:
 def normed_along(model, norm: str, prompt: str, v: torch.Tensor) -> float:
     """The output of block ``LAYER``'s norm ``norm`` at the last token of ``prompt`` alone, along ``v``: a plain
     transformers forward (no nnsight) with a torch forward hook on that norm."""
-    seen = []
-    handle = module_at(model.layers[LAYER], norm)._module.register_forward_hook(
-        lambda _, args, out: seen.append(out.detach()))
-    try:
-        ids = model.tokenizer(prompt, return_tensors="pt")
-        with torch.no_grad():
-            model._module(**ids)
-    finally:
-        handle.remove()
-    return float(seen[0][0, -1].double() @ v.double())
+    return float(hooked_output(model, module_at(model.layers[LAYER], norm)._module, prompt)[-1].double() @ v.double())
 
 
 def logit_difference(model, prompt: str) -> float:

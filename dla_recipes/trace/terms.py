@@ -153,7 +153,7 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, ow
     if mode is None:
         reads.value = at(read_site(layer, term.output, batch), rows, positions)
     else:
-        reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions, own)
+        reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions)
         if term.write.post_norm is not None:
             reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), rows, positions, batch)
         if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
@@ -207,7 +207,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     (``by="source"``). ``rounding`` (low precision only) collects each checked split term's gap and squared noise
     (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own, before its rest (``score_term``);
     ``index``: the block's index (names a checked term); ``patterns`` collects ``(rebuild error, index)`` of the
-    heads split by source (else their rebuild errors join ``fit_errors``).
+    heads split by source.
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -223,11 +223,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
                 outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
                 fit_errors.append(outers[path].fit_error)
     fit_errors.extend(norm.fit_error for r in reads for norm in r.norms())
-    rebuilt = [r.parts.pattern_error for r in reads if isinstance(r.parts, sources.SourceReads)]
     if patterns is not None:  # the heads rebuilt from pattern and values: checked on their own (by="source")
-        patterns.extend((error, index) for error in rebuilt)
-    else:
-        fit_errors.extend(rebuilt)
+        patterns.extend((r.parts.pattern_error, index) for r in reads if isinstance(r.parts, sources.SourceReads))
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.write.outer_norm

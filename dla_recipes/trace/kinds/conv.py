@@ -33,7 +33,7 @@ class ConvReads:
     mask: torch.Tensor
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> ConvReads:
+def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> ConvReads:
     """Read the projection's inputs at every lag of the attributed positions, and the convolution's mask."""
     split = planned.term.split
     full = read_site(module_at(layer, split.projection), "input", rows.shape[0])  # [batch, pos, ...]

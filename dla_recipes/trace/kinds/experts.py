@@ -38,7 +38,7 @@ class ExpertReads:
     shared_gate: torch.Tensor | None = None
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> ExpertReads:
+def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> ExpertReads:
     """Read the routing and, before or after it as the model runs them, the shared expert and its gate."""
     moe, batch = planned.term.split, rows.shape[0]
     shared = None

@@ -34,8 +34,8 @@ class LinearReads:
     output_gate: torch.Tensor | None = None
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> LinearReads:
-    """Read the projection's input (then the output gate) at the positions; ``own`` is not used."""
+def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> LinearReads:
+    """Read the projection's input (then the output gate) at the positions."""
     split, batch = planned.term.split, rows.shape[0]
     projection = module_at(layer, split.projection)
     reads = LinearReads(at(read_site(projection, "input", batch), rows, positions).flatten(1))

@@ -29,7 +29,7 @@ class RoutedReads:
     slot: torch.Tensor
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> RoutedReads:
+def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> RoutedReads:
     """The attributed tokens' rows of a grouped-experts projection's input, with their experts, gates and slots."""
     grouped_experts = planned.term.split
     router = module_at(layer, grouped_experts.router)

@@ -51,7 +51,7 @@ class SourceReads:
     pattern_error: float
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions, own: bool = True) -> SourceReads:
+def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> SourceReads:
     """Read the values, the heads and the pattern; rebuild the heads from them (``SourceReads.pattern_error``)."""
     heads, batch = planned.term.split, rows.shape[0]
     values = read_site(layer, heads.values, batch)
