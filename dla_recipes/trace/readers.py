@@ -22,6 +22,8 @@ there) and ``param`` (a parameter in float32).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..errors import InputError
@@ -44,16 +46,35 @@ def read_site(layer, site: str, batch_size: int | None = None):
     return value
 
 
-def at(value: torch.Tensor, rows, positions) -> torch.Tensor:
-    """``value[rows, positions]`` in float32 (advanced indexing copies, so later in-place edits cannot reach it)."""
-    return value[rows.to(value.device), positions.to(value.device)].float()
+class Sites(NamedTuple):
+    """The attributed (prompt, position) pairs of one batch, one row of every read each: ``rows`` ``[n]`` each
+    site's prompt (its row of the batch), ``positions`` ``[n]`` its index into the padded sequence, ``batch`` the
+    prompts in the batch (the leading size of every activation). One position per prompt: ``rows = arange(batch)``."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    batch: int
+
+    @classmethod
+    def one_per_prompt(cls, positions: torch.Tensor) -> Sites:
+        """One site per prompt, at ``positions`` ``[batch]``."""
+        return cls(torch.arange(positions.shape[0]), positions, int(positions.shape[0]))
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
 
 
-def frozen_at(norm, rows, positions, batch: int) -> FrozenNorm:
-    """A norm envoy frozen at its real input at the attributed positions (reads its input, then its output)."""
-    stream = at(read_site(norm, "input", batch), rows, positions)
+def at(value: torch.Tensor, sites: Sites) -> torch.Tensor:
+    """``[n, ...]``: ``value[rows, positions]`` at the sites, in float32 (advanced indexing copies, so later in-place
+    edits cannot reach it)."""
+    return value[sites.rows.to(value.device), sites.positions.to(value.device)].float()
+
+
+def frozen_at(norm, sites: Sites) -> FrozenNorm:
+    """A norm envoy frozen at its real input at the sites (reads its input, then its output)."""
+    stream = at(read_site(norm, "input", sites.batch), sites)
     probe = probe_norm(norm, stream.shape[-1])
-    return probe.freeze(stream, at(read_site(norm, "output", batch), rows, positions))
+    return probe.freeze(stream, at(read_site(norm, "output", sites.batch), sites))
 
 
 def param(layer, path: str) -> torch.Tensor:

@@ -26,6 +26,10 @@ the same for a direction read by any block's norm. The math, for every family:
    model's own logit is read from ``lm_head``'s output (times ``logit_scale``), so the caller can check
    ``values.sum(-1) + constant == logit``.
 
+A row of every number is a *site*, one attributed (prompt, position) pair (``readers.Sites``): one per prompt
+(``rows`` omitted), or several per prompt, all read in the same forward pass; ``[batch]`` below counts sites. What
+a site attributes is a ``targets.LinearTarget`` (a token, minus a contrast, a weighted set, minus the mean logit).
+
 Everything runs under ``torch.no_grad()`` in float32, whatever the model's dtype. In a remote trace, call these
 functions by name (``dla_recipes.trace.direct_logit_attribution``): the module object itself cannot travel.
 ``LogitCall`` / ``DirectionCall`` hold one batch's arguments, so a trace reads ``call.run(model)``.
@@ -40,28 +44,25 @@ import torch
 from ..args import Granularity, check_granularity
 from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from ..math.linalg import dot
-from ..math.rounding import Rounding, binade, rounding_scales, stream_sumsq
+from ..math.rounding import Rounding, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
+from . import targets as linear_targets
 from .kinds.sources import SourceSplit
-from .readers import at, layer_input, layer_output, read_site
+from .readers import Sites, at, layer_input, layer_output, read_site
 from .readout import Readout
+from .targets import LinearTarget, as_target
 from .terms import layer_scores, term_directions
 
 
-def final_direction(model, plan: Plan, targets: torch.Tensor, contrasts: torch.Tensor | None):
-    """``(probe, direction [batch, d_model], constant [batch])`` of the final head for these target tokens."""
+def final_direction(model, plan: Plan, target: LinearTarget):
+    """``(probe, direction [n, d_model], constant [n])`` of the final head for each site's target."""
     width = model.lm_head.weight.shape[-1]
     probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
     weight = model.lm_head.weight
     probe = probe.to(weight.device)  # a norm without parameters (OLMo, nanochat) is probed on the CPU
-    rows = weight[targets.to(weight.device)].float()
-    bias = getattr(model.lm_head, "bias", None)
-    head_bias = bias[targets.to(bias.device)].float() if bias is not None else 0.0
-    if contrasts is not None:
-        rows = rows - weight[contrasts.to(weight.device)].float()
-        if bias is not None:
-            head_bias = head_bias - bias[contrasts.to(bias.device)].float()
+    rows = linear_targets.head_rows(target, weight)
+    head_bias = linear_targets.head_bias(target, getattr(model.lm_head, "bias", None))
     rows = rows.to(probe.gain.device)
     rows = rows * plan.head_input_scale  # lm_head reads the final norm's output times it (MiniCPM)
     direction = plan.logit_scale * probe.center(probe.gain * rows)
@@ -82,23 +83,27 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
               stop: Stop | None = None, sources: Sources | None = None,
               offsets: torch.Tensor | None = None,
               rounding: Rounding | None = None, edits: bool = False,
-              patterns: list | None = None) -> tuple[torch.Tensor, list[float]]:
-    """``[batch, n_components]``: every term written before ``stop`` at the attributed positions, dotted with
-    ``direction`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
-    ``by="source"``: ``sources`` says which heads split into how many sources; ``offsets`` ``[batch]`` is where
-    each prompt's own tokens start in the padded sequence.
+              patterns: list | None = None, rows: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, list[float], Sites]:
+    """``[n, n_components]``: every term written before ``stop`` at the sites, dotted with ``direction``
+    ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
+    A site is ``(rows[s], positions[s])``: a prompt of the batch and an index into the padded sequence (``rows``
+    None: one site per prompt). ``by="source"``: ``sources`` says which heads split into how many sources;
+    ``offsets`` ``[n]`` is where each site's prompt's own tokens start in the padded sequence.
 
-    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``) and the post-norms' fit errors;
+    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``), the post-norms' fit errors and
+    the ``Sites`` read (their ``batch`` read from the stream);
     ``rounding`` (low precision only) collects what the model's own rounding is bounded with, unscaled: each split
     term's gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``). ``edits``:
     the forward pass may be edited, so each split term's gap is a column of its own (``L3.mlp.edit``, before its
     rest): what it wrote beyond its parts and bias. ``patterns`` collects each source-split block's
     ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
     """
-    rows = torch.arange(positions.shape[0])
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     fit_errors: list[float] = []
-    embed = at(layer_input(model, 0), rows, positions)  # [batch, d_model], or [batch, streams, d_model]
+    stream = layer_input(model, 0)  # [batch, pos, d_model]: the batch's size is its first
+    sites = Sites(torch.arange(positions.shape[0]) if rows is None else rows, positions, int(stream.shape[0]))
+    embed = at(stream, sites)  # [n, d_model], or [n, streams, d_model]
     scores = [(embed * embed_direction.to(embed.device).unsqueeze(-2)).sum(-1) if embed.dim() == 3 else
               dot(embed, embed_direction).unsqueeze(-1)]
     carried = [None]  # parallel streams: each score group's weight on every stream [batch, streams]
@@ -107,7 +112,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     previous = embed  # the stream before the block (its rounding bound, ``rounding``)
     for i, terms in enumerate(plan.terms_before(stop)):
         split = SourceSplit(sources, i, offsets) if by == "source" else None
-        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, rows, positions,
+        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, sites,
                                                         fit_errors, split, rounding, edits, i, patterns):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = scaled(scores, before)
@@ -121,81 +126,77 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
                 scores = scaled(scores, after[0])
                 scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
         if rounding is not None and per_layer[i] and (stop is None or i < stop[0]):
-            stream_after = at(read_site(model.layers[i], "output"), rows, positions)
+            stream_after = at(read_site(model.layers[i], "output"), sites)
             rounding.stream_noise.append(len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0]))
             previous = stream_after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
-        collapse = plan.family.collapse_weights(head, at(head.input, rows, positions))  # [batch, streams]
+        collapse = plan.family.collapse_weights(head, at(head.input, sites))  # [n, streams]
         weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
-    return torch.cat(scores, -1), fit_errors
+    return torch.cat(scores, -1), fit_errors, sites
 
 
 def direct_logit_attribution(
     model,
     plan: Plan,
     positions: torch.Tensor,
-    targets: torch.Tensor,
+    targets,
     contrasts: torch.Tensor | None = None,
     by: Granularity = "block",
     sources: Sources | None = None,
     offsets: torch.Tensor | None = None,
     edits: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
     Args:
         model: the ``StandardizedTransformer`` being traced.
         plan: ``build_plan(model)``.
-        positions: ``[batch]`` long, the attributed position of each prompt, an index into the padded sequence.
-        targets, contrasts: ``[batch]`` long token ids (``contrasts`` optional: attribute the logit difference).
+        positions: ``[n]`` long, each site's attributed position, an index into the padded sequence.
+        targets, contrasts: ``[n]`` long token ids (``contrasts`` optional: attribute the logit difference), or
+            ``targets`` a ``LinearTarget`` (any linear function of each site's logits; ``contrasts`` None).
         by: ``"block"``, ``"head"``, ``"neuron"``, ``"expert"`` or ``"source"``.
         sources, offsets: ``by="source"``: the heads split and into how many sources (``plan.Sources``), and
-            ``[batch]`` long, where each prompt's own tokens start in the padded sequence.
+            ``[n]`` long, where each site's prompt's own tokens start in the padded sequence.
         edits: the forward pass may be edited (``intervene=``, ``trace_attribution``): each split term has an
             ``.edit`` column, what it wrote beyond its parts and bias (``plan.components(by, edits=True)``).
+        rows: ``[n]`` long, each site's prompt (its row of the batch); None: one site per prompt, ``n = batch``.
     """
     check_granularity(by)
     with torch.no_grad():
-        rows = torch.arange(positions.shape[0])
-        probe, direction, constant = final_direction(model, plan, targets, contrasts)
+        target = as_target(targets, contrasts)
+        probe, direction, constant = final_direction(model, plan, target)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         patterns: list = []
-        scores, fit_errors = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding, edits,
-                                       patterns)
+        scores, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
+                                              edits, patterns, rows)
         pattern_error, pattern_layer = max(patterns, default=(0.0, -1))
+        rows = sites.rows
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
             stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]
-        x = at(stream, rows, positions)
-        y = at(normed, rows, positions - (stream.shape[1] - normed.shape[1]))
+        batch = int(stream.shape[0])
+        x = at(stream, Sites(rows, positions, batch))
+        y = at(normed, Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
         final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
         values = scores * final.scale.to(scores.device).unsqueeze(-1)
-        head_out = model.lm_head.output  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
-        at_head = positions - (stream.shape[1] - head_out.shape[1])
-        head_out = at(head_out, rows, at_head)  # [batch, vocab]
-        logits = at(model.output.logits, rows, at_head)
-        picked, out = head_out.gather(-1, targets.to(head_out.device)[:, None])[:, 0], logits.gather(-1, targets.to(logits.device)[:, None])[:, 0]
-        head_error = (softcap(picked * plan.logit_scale, plan.softcap) - out.to(picked.device)).abs().max()
-        logit = picked * plan.logit_scale
-        if contrasts is not None:
-            picked_contrast = head_out.gather(-1, contrasts.to(head_out.device)[:, None])[:, 0]
-            out_contrast = logits.gather(-1, contrasts.to(logits.device)[:, None])[:, 0]
-            head_error = torch.maximum(
-                head_error,
-                (softcap(picked_contrast * plan.logit_scale, plan.softcap) - out_contrast.to(picked.device)).abs().max(),
-            )
-            logit = logit - picked_contrast * plan.logit_scale
-            out = out - out_contrast
-        head_rows = model.lm_head.weight[targets.to(model.lm_head.weight.device)].float()
-        if contrasts is not None:
-            head_rows = head_rows - model.lm_head.weight[contrasts.to(model.lm_head.weight.device)].float()
-        size = (binade(picked) + (binade(picked_contrast) if contrasts is not None else 0.0)) * abs(plan.logit_scale)
+        head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
+        kept = positions - (stream.shape[1] - head_out.shape[1])
+        head = linear_targets.pick(head_out, rows, kept, target)  # [n, K] at the target's tokens
+        own = linear_targets.pick(logits, rows, kept, target).to(head.device)
+        means = (linear_targets.vocab_mean(head_out, rows, kept), linear_targets.vocab_mean(logits, rows, kept),
+                 linear_targets.vocab_mean(head_out, rows, kept, absolute=True)) if target.uses_mean else (None,) * 3
+        out = linear_targets.read_logits(target, own, means[1])
+        head_error = linear_targets.head_error(target, head, own, lambda z: softcap(z * plan.logit_scale, plan.softcap))
+        logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
+        head_rows = linear_targets.head_rows(target, model.lm_head.weight)
+        size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
         return Readout(
             values=values.cpu(),
             constant=constant.cpu(),
@@ -219,17 +220,20 @@ def direction_attribution(
     stop: Stop,
     reads: str,
     by: Granularity = "block",
+    rows: torch.Tensor | None = None,
 ) -> Readout:
     """Attribute ``norm(stream) @ direction`` inside a trace, where ``norm`` (the module at ``reads`` in block
     ``stop[0]``) reads the stream at ``stop``: the terms written before it, through the norm frozen at its input.
 
     Args:
-        direction: ``[batch, d_model]`` (or ``[d_model]``), a direction on the norm's output (a probe, a query).
+        direction: ``[n, d_model]`` (or ``[d_model]``), a direction on the norm's output (a probe, a query), one
+            per site.
         stop: ``plan.stop_before(layer, sublayer)``; reads: that sublayer's ``Term.reads``.
+        rows: ``[n]`` each site's prompt (None: one site per prompt), as in ``direct_logit_attribution``.
     """
     check_granularity(by)
     with torch.no_grad():
-        rows = torch.arange(positions.shape[0])
+        rows = torch.arange(positions.shape[0]) if rows is None else rows
         norm = module_at(model.layers[stop[0]], reads)
         probe = probe_norm(norm, direction.shape[-1]).to(model.lm_head.weight.device)
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
@@ -237,9 +241,9 @@ def direction_attribution(
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         pulled = probe.center(probe.gain * v)
-        scores, fit_errors = decompose(model, plan, pulled, positions, by, stop, rounding=rounding)
-        stream = at(read_site(norm, "input", positions.shape[0]), rows, positions)
-        output = at(read_site(norm, "output", positions.shape[0]), rows, positions)
+        scores, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows)
+        stream = at(read_site(norm, "input", sites.batch), sites)
+        output = at(read_site(norm, "output", sites.batch), sites)
         frozen = probe.freeze(stream, output)
         fit_errors.append(frozen.fit_error)
         own = dot(output, v)  # the model's own normed stream, read along the direction
@@ -263,17 +267,18 @@ class LogitCall:
 
     plan: Plan
     positions: torch.Tensor
-    targets: torch.Tensor
+    targets: object  # [n] long token ids, or a LinearTarget
     contrasts: torch.Tensor | None
     by: Granularity
     sources: Sources | None = None
     offsets: torch.Tensor | None = None
     edits: bool = False
+    rows: torch.Tensor | None = None
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
         return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets, self.edits)
+                                        self.sources, self.offsets, self.edits, self.rows)
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,9 @@ class DirectionCall:
     stop: Stop
     reads: str
     by: Granularity
+    rows: torch.Tensor | None = None
 
     def run(self, model) -> Readout:
         """The attribution of this batch's direction, inside the running trace of ``model``."""
-        return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by)
+        return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
+                                     self.rows)

@@ -29,7 +29,7 @@ from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .kinds import conv, experts, linear, routed, sources
-from .readers import at, frozen_at, param, read_site
+from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
 
@@ -136,30 +136,30 @@ def roundings(planned: PlannedTerm) -> int:
             + (planned.multiplier != 1.0 or term.write.scale is not None))
 
 
-def read_term(layer, planned: PlannedTerm, mode: str | None, rows, positions, own: bool = True,
+def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: bool = True,
               edits: bool = False) -> TermReads:
-    """Read, in forward order, what scoring this term needs at the attributed positions (a few ``[batch, ...]``).
+    """Read, in forward order, what scoring this term needs at the attributed sites (a few ``[n, ...]``).
 
     ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: low precision (a checked split term reads its
     write whole too, for the self-check); ``edits``: every split term reads its write whole (its ``.edit`` column)."""
-    term, batch = planned.term, rows.shape[0]
+    term, batch = planned.term, sites.batch
     reads = TermReads()
     if term.stream.norm is not None:  # the norm on the stream runs before this term's sublayer
-        reads.stream_norm = frozen_at(module_at(layer, term.stream.norm), rows, positions, batch)
+        reads.stream_norm = frozen_at(module_at(layer, term.stream.norm), sites)
     if term.hyper is not None:  # parallel streams: the mixing weights this term is written and carried with
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
-        comb = at(comb, rows, positions) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
-        reads.hyper = (at(post, rows, positions), comb)
+        comb = at(comb, sites) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
+        reads.hyper = (at(post, sites), comb)
     if mode is None:
-        reads.value = at(read_site(layer, term.output, batch), rows, positions)
+        reads.value = at(read_site(layer, term.output, batch), sites)
     else:
-        reads.parts = kind_module(planned, mode).read(layer, planned, mode, rows, positions)
+        reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
         if term.write.post_norm is not None:
-            reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), rows, positions, batch)
+            reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), sites)
         if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
-            reads.written = at(read_site(layer, term.output, batch), rows, positions)
+            reads.written = at(read_site(layer, term.output, batch), sites)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
-        reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), rows, positions, batch)
+        reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), sites)
     return reads
 
 
@@ -197,7 +197,7 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     return torch.cat([parts, rest.unsqueeze(-1)], -1), (gap, noise.to(parts.device))
 
 
-def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, rows, positions, fit_errors: list,
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, sites: Sites, fit_errors: list,
                  split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
                  index: int = 0, patterns: list | None = None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
@@ -217,10 +217,10 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     last_user = {planned.term.write.outer_norm: k for k, planned in enumerate(terms) if planned.term.write.outer_norm}
     reads, outers = [], {}
     for k, planned in enumerate(terms):
-        reads.append(read_term(layer, planned, modes[k], rows, positions, own=rounding is not None, edits=edits))
+        reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits))
         for path, last in last_user.items():
             if last == k:
-                outers[path] = frozen_at(module_at(layer, path), rows, positions, rows.shape[0])
+                outers[path] = frozen_at(module_at(layer, path), sites)
                 fit_errors.append(outers[path].fit_error)
     fit_errors.extend(norm.fit_error for r in reads for norm in r.norms())
     if patterns is not None:  # the heads rebuilt from pattern and values: checked on their own (by="source")

@@ -15,7 +15,7 @@ import torch
 from ...math.linalg import linear_pullback
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
-from ..readers import read_site
+from ..readers import Sites, read_site
 
 
 @dataclass
@@ -33,10 +33,10 @@ class ConvReads:
     mask: torch.Tensor
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> ConvReads:
-    """Read the projection's inputs at every lag of the attributed positions, and the convolution's mask."""
-    split = planned.term.split
-    full = read_site(module_at(layer, split.projection), "input", rows.shape[0])  # [batch, pos, ...]
+def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> ConvReads:
+    """Read the projection's inputs at every lag of the attributed sites, and the convolution's mask."""
+    split, rows, positions = planned.term.split, sites.rows, sites.positions
+    full = read_site(module_at(layer, split.projection), "input", sites.batch)  # [batch, pos, ...]
     conv = module_at(layer, split.position_conv)
     width = int(conv.conv1d.weight.shape[-1])
     lags = positions.to(full.device)[:, None] - torch.arange(width, device=full.device)[None, :]  # [batch, K]

@@ -17,7 +17,7 @@ from ...errors import FamilyTableError
 from ...math.linalg import dot, linear_pullback, matmul_f32
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
-from ..readers import at, read_site
+from ..readers import Sites, at, read_site
 
 
 @dataclass
@@ -38,29 +38,28 @@ class ExpertReads:
     shared_gate: torch.Tensor | None = None
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> ExpertReads:
+def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> ExpertReads:
     """Read the routing and, before or after it as the model runs them, the shared expert and its gate."""
-    moe, batch = planned.term.split, rows.shape[0]
+    moe, batch = planned.term.split, sites.batch
     shared = None
     if moe.shared is not None and moe.shared_first:
-        shared = at(read_site(module_at(layer, moe.shared), "input", batch), rows, positions)
-    reads = ExpertReads(*read_routing(layer, planned, rows, positions))
+        shared = at(read_site(module_at(layer, moe.shared), "input", batch), sites)
+    reads = ExpertReads(*read_routing(layer, planned, sites))
     if moe.shared is not None and not moe.shared_first:
-        shared = at(read_site(module_at(layer, moe.shared), "input", batch), rows, positions)
+        shared = at(read_site(module_at(layer, moe.shared), "input", batch), sites)
     reads.shared = shared
     if moe.shared_gate is not None:
-        reads.shared_gate = torch.sigmoid(at(read_site(module_at(layer, moe.shared_gate), "output", batch),
-                                             rows, positions))
+        reads.shared_gate = torch.sigmoid(at(read_site(module_at(layer, moe.shared_gate), "output", batch), sites))
     return reads
 
 
-def read_routing(layer, planned: PlannedTerm, rows, positions) -> tuple:
+def read_routing(layer, planned: PlannedTerm, sites: Sites) -> tuple:
     """The attributed tokens' expert inputs, experts and routing weights, from the experts module's own inputs.
 
     Returns ``(hidden, index, weights)``: ``hidden`` ``[batch, d]`` (or ``[batch, k, d]``, one row per slot, when the
     inputs are router-scaled), ``index [batch, k]`` (``E``: no expert) and ``weights [batch, k]``.
     """
-    moe, batch = planned.term.split, rows.shape[0]
+    moe, batch, rows, positions = planned.term.split, sites.batch, sites.rows, sites.positions
     args, kwargs = module_at(layer, moe.projection).inputs
     names = ("hidden_states", "top_k_index", "top_k_weights")
     values = list(args) + [kwargs[k] for k in names if k in kwargs]
@@ -69,7 +68,7 @@ def read_routing(layer, planned: PlannedTerm, rows, positions) -> tuple:
         hidden = hidden.reshape(planned.experts, -1, hidden.shape[-1])  # [E, tokens, d]
         tokens = rows.to(hidden.device) * (hidden.shape[1] // batch) + positions.to(hidden.device)
         routed = hidden[:, tokens].transpose(0, 1).float()  # [batch, E, d]
-        index = torch.arange(planned.experts, device=routed.device).expand(batch, -1)
+        index = torch.arange(planned.experts, device=routed.device).expand(len(sites), -1)
         index = torch.where((routed != 0).any(-1), index, planned.experts)  # a zero row: not routed
         return routed, index, torch.ones(index.shape, device=routed.device)
     if len(values) < 3:

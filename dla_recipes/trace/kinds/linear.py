@@ -18,7 +18,7 @@ from ...families import Neurons
 from ...math.linalg import linear_pullback
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
-from ..readers import at, read_site
+from ..readers import Sites, at, read_site
 
 
 @dataclass
@@ -34,15 +34,14 @@ class LinearReads:
     output_gate: torch.Tensor | None = None
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> LinearReads:
-    """Read the projection's input (then the output gate) at the positions."""
-    split, batch = planned.term.split, rows.shape[0]
+def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> LinearReads:
+    """Read the projection's input (then the output gate) at the sites."""
+    split, batch = planned.term.split, sites.batch
     projection = module_at(layer, split.projection)
-    reads = LinearReads(at(read_site(projection, "input", batch), rows, positions).flatten(1))
+    reads = LinearReads(at(read_site(projection, "input", batch), sites).flatten(1))
     gate = split.output_gate if isinstance(split, Neurons) else None
     if gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
-        reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, gate), "output", batch),
-                                             rows, positions))
+        reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, gate), "output", batch), sites))
     return reads
 
 

@@ -15,7 +15,7 @@ import torch
 from ...math.linalg import dot, matmul_f32
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
-from ..readers import param
+from ..readers import Sites, param
 
 
 @dataclass
@@ -29,15 +29,15 @@ class RoutedReads:
     slot: torch.Tensor
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> RoutedReads:
+def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> RoutedReads:
     """The attributed tokens' rows of a grouped-experts projection's input, with their experts, gates and slots."""
     grouped_experts = planned.term.split
     router = module_at(layer, grouped_experts.router)
     sorted_experts, batch_index, gates, _, _ = router.output
     grouped, sizes = module_at(layer, grouped_experts.projection).inputs[0][:2]  # (rows grouped by expert, rows per expert)
     top_k = int(router._module.top_k)
-    seq = batch_index.numel() // (rows.shape[0] * top_k)
-    tokens = rows.to(batch_index.device) * seq + positions.to(batch_index.device)
+    seq = batch_index.numel() // (sites.batch * top_k)
+    tokens = sites.rows.to(batch_index.device) * seq + sites.positions.to(batch_index.device)
     order = torch.argsort(batch_index, stable=True).view(-1, top_k)[tokens]  # [batch, top_k] grouped rows
     ends = torch.cumsum(torch.as_tensor(sizes, device=order.device), 0)
     return RoutedReads(

@@ -16,14 +16,14 @@ import torch
 from ...errors import DLAError
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm, Sources
-from ..readers import at, read_site
+from ..readers import Sites, at, read_site
 from .linear import pull_back
 
 
 @dataclass(frozen=True)
 class SourceSplit:
     """``by="source"`` in one block: the plan's ``Sources`` (which heads split, into how many sources), the block,
-    and ``offsets`` ``[batch]``: where each prompt's own tokens start in the padded sequence."""
+    and ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence."""
 
     sources: Sources
     layer: int
@@ -39,9 +39,10 @@ class SourceReads:
     """What splitting heads by source needs, read in forward order.
 
     Attributes:
-        values: ``[batch, pos, kv_heads, head_dim]`` the values at every position of the attributed rows.
-        inputs: ``[batch, heads * head_dim]`` the heads as the output projection reads them.
-        pattern: ``[batch, heads, pos]`` the attention pattern at the attributed positions.
+        values: ``[batch, pos, kv_heads, head_dim]`` the values at every position of every prompt.
+        inputs: ``[n, heads * head_dim]`` the heads as the output projection reads them, at the sites.
+        pattern: ``[n, heads, pos]`` the attention pattern at the sites.
+        rows: ``[n]`` each site's prompt (its row of ``values``).
         pattern_error: ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own).
     """
 
@@ -49,14 +50,14 @@ class SourceReads:
     inputs: torch.Tensor
     pattern: torch.Tensor
     pattern_error: float
+    rows: torch.Tensor | None = None
 
 
-def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> SourceReads:
+def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     """Read the values, the heads and the pattern; rebuild the heads from them (``SourceReads.pattern_error``)."""
-    heads, batch = planned.term.split, rows.shape[0]
-    values = read_site(layer, heads.values, batch)
-    values = values[rows.to(values.device)].float()  # every position of the attributed rows
-    inputs = at(read_site(module_at(layer, heads.projection), "input", batch), rows, positions).flatten(1)
+    heads, batch, rows, positions = planned.term.split, sites.batch, sites.rows, sites.positions
+    values = read_site(layer, heads.values, batch).float()  # every position of every prompt
+    inputs = at(read_site(module_at(layer, heads.projection), "input", batch), sites).flatten(1)
     attention = module_at(layer, heads.projection.rsplit(".", 1)[0]).output
     weights = attention[1] if isinstance(attention, tuple) and len(attention) > 1 else None
     if weights is None:
@@ -67,9 +68,10 @@ def read(layer, planned: PlannedTerm, mode: str, rows, positions) -> SourceReads
         )
     pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
     values = values_of(values, heads.values_layout, planned.parts, planned.part_width)
-    rebuilt = grouped_sum(pattern, values.to(pattern.device)).flatten(1)
+    rows = rows.to(pattern.device)
+    rebuilt = grouped_sum(pattern, values.to(pattern.device), rows).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, pattern, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale))
+    return SourceReads(values, inputs, pattern, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows)
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
@@ -84,12 +86,27 @@ def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int
     return fused.reshape(batch, pos, -1, head_dim)
 
 
-def grouped_sum(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``[batch, heads, head_dim]``: ``sum_s A[h, s] v[s, group(h)]`` for each query head (GQA / MQA groups)."""
-    batch, heads, keys = pattern.shape
+def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``einsum(equation, site_side[s], values[rows[s]])`` for every site ``s``, one prompt at a time: the values
+    ``[batch, keys, kv_heads, head_dim]`` are never copied per site (``[n, keys, ...]`` would grow with the
+    positions squared)."""
+    out = None
+    for b in torch.unique(rows).tolist():
+        index = (rows == b).nonzero()[:, 0]
+        piece = torch.einsum(equation, site_side[index], values[b])
+        if out is None:
+            out = piece.new_zeros((site_side.shape[0], *piece.shape[1:]))
+        out[index] = piece
+    return out
+
+
+def grouped_sum(pattern: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[n, heads, head_dim]``: ``sum_s A[h, s] v[s, group(h)]`` for each query head (GQA / MQA groups), at each
+    site (``pattern [n, heads, keys]``, ``values [batch, pos, kv, head_dim]`` of the site's prompt ``rows [n]``)."""
+    n, heads, keys = pattern.shape
     kv = values.shape[2]
-    grouped = pattern.view(batch, kv, heads // kv, keys)
-    return torch.einsum("bvgk,bkvd->bvgd", grouped, values[:, :keys]).reshape(batch, heads, -1)
+    grouped = pattern.view(n, kv, heads // kv, keys)
+    return per_prompt("nvgk,kvd->nvgd", grouped, values[:, :keys], rows).reshape(n, heads, -1)
 
 
 def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split: SourceSplit):
@@ -106,7 +123,7 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
     whole = (reads.inputs.to(u.device).view(-1, heads, width) * u).sum(-1)  # [batch, heads]
     batch, _, keys = pattern.shape
     kv = values.shape[2]
-    along = torch.einsum("bkvd,bvgd->bvgk", values[:, :keys], u.view(batch, kv, heads // kv, width))
+    along = per_prompt("nvgd,kvd->nvgk", u.view(batch, kv, heads // kv, width), values[:, :keys], reads.rows)
     per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
     index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
     inside = index < keys
