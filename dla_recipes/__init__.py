@@ -6,9 +6,9 @@
     attr.top(10)                                                          # the parts sum to the model's own logit
 
 The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
-``Attribution``, ``TracedAttribution``, ``head_slice`` and ``HeadSlice`` (where one head's output is, to edit it in
-nnsight) and the errors. The rest is reached through namespaces:
-``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
+``Attribution``, ``PositionAttribution`` (several positions a prompt), ``TracedAttribution``, ``head_slice`` and
+``HeadSlice`` (where one head's output is, to edit it in nnsight) and the errors. The rest is reached through
+namespaces: ``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
 ``direct_logit_attribution``, ...), ``dla_recipes.families`` (the family table), ``dla_recipes.plan``
 (``build_plan``), ``dla_recipes.models`` (the real models shipped as PyPI wheels), ``dla_recipes.plots`` and
 ``dla_recipes.math`` (``FrozenNorm``). "How the code is laid out" in the docs says which stage lives where.
@@ -44,6 +44,7 @@ from .loading.load import load
 from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
+from .present.positions import PositionAttribution
 from .transport.remote import RemoteBatchError
 
 # The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
@@ -60,6 +61,7 @@ __all__ = [
     "InputError",
     "LoadError",
     "NonFiniteError",
+    "PositionAttribution",
     "RemoteBatchError",
     "RemoteError",
     "TraceUsageError",

@@ -14,7 +14,7 @@ import dla_recipes
 
 VERBS = {"load", "attribute", "attribute_direction", "trace_attribution"}
 NAMESPACES = {"families", "math", "models", "plan", "plots", "trace"}
-TYPES = {"Attribution", "TracedAttribution", "HeadSlice"}
+TYPES = {"Attribution", "PositionAttribution", "TracedAttribution", "HeadSlice"}
 HELPERS = {"head_slice"}
 
 

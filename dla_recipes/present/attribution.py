@@ -113,27 +113,7 @@ class Attribution:
 
     def _rows(self, rows) -> list[int]:
         """``rows`` (an int, a slice, a sequence of ints, a bool mask) as a list of row indices."""
-        n = len(self)
-        if isinstance(rows, slice):
-            return list(range(n))[rows]
-        if isinstance(rows, (str, bytes)):
-            raise TypeError(f"attr[{rows!r}]: index rows (prompts) with an int, a slice, a list of ints or a bool "
-                            "mask; a component's values are attr.values[:, attr.labels.index(label)]")
-        single = isinstance(rows, numbers.Integral) or getattr(rows, "ndim", None) == 0
-        items = rows.tolist() if hasattr(rows, "tolist") else rows
-        items = [items] if single else list(items)
-        if items and all(isinstance(item, bool) for item in items):
-            if len(items) != n:
-                raise IndexError(f"a mask of {len(items)} bools for an attribution of {n} prompts")
-            return [i for i, keep in enumerate(items) if keep]
-        index = []
-        for item in items:
-            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
-                raise TypeError(f"attr[{rows!r}]: rows are ints (or one bool per prompt), not {item!r}")
-            if not -n <= item < n:
-                raise IndexError(f"prompt {item} is outside this attribution of {n} prompts")
-            index.append(int(item) % n)
-        return index
+        return row_index(rows, len(self))
 
     def __iter__(self):
         """One-prompt attributions, in order (``attr[0]``, ``attr[1]``, ...)."""
@@ -304,6 +284,31 @@ class Attribution:
         prompt = f", prompt {short(self.prompts[0], 40)}" if n == 1 and self.prompts else ""
         return (f"Attribution({self.family}, by={self.by!r}, {n} prompt{'s' if n != 1 else ''} x {len(self.labels)} "
                 f"components{prompt}, {what}, {logit}, {self.error_summary()})")
+
+
+def row_index(rows, n: int) -> list[int]:
+    """``rows`` (an int, a slice, a sequence of ints, a bool mask of ``n``) as a list of indices into ``n`` prompts:
+    what ``attr[rows]`` selects (``PositionAttribution`` selects its prompts the same way)."""
+    if isinstance(rows, slice):
+        return list(range(n))[rows]
+    if isinstance(rows, (str, bytes)):
+        raise TypeError(f"attr[{rows!r}]: index rows (prompts) with an int, a slice, a list of ints or a bool "
+                        "mask; a component's values are attr.values[:, attr.labels.index(label)]")
+    single = isinstance(rows, numbers.Integral) or getattr(rows, "ndim", None) == 0
+    items = rows.tolist() if hasattr(rows, "tolist") else rows
+    items = [items] if single else list(items)
+    if items and all(isinstance(item, bool) for item in items):
+        if len(items) != n:
+            raise IndexError(f"a mask of {len(items)} bools for an attribution of {n} prompts")
+        return [i for i, keep in enumerate(items) if keep]
+    index = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            raise TypeError(f"attr[{rows!r}]: rows are ints (or one bool per prompt), not {item!r}")
+        if not -n <= item < n:
+            raise IndexError(f"prompt {item} is outside this attribution of {n} prompts")
+        index.append(int(item) % n)
+    return index
 
 
 def short(text: str, width: int = 24) -> str:

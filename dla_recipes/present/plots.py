@@ -10,6 +10,8 @@ brings all three, and a figure function without plotly raises an ImportError tha
     plots.sources_heatmap(attr, toks) # the strongest heads x the source tokens they read (by="source")
     plots.top_bar(attr, k=20)         # the k largest components (heads, neurons, experts, blocks)
     plots.top_table(attr, k=10)       # the same as a table with bars (a pandas Styler)
+    plots.positions_heatmap(pattr)    # a PositionAttribution: blocks x one prompt's positions (position_plots)
+    plots.token_text(pattr, "L5.attn")  # ... its text, each token coloured by that part (HTML)
     plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot;
                                       # in a script: an HTML file (its path printed)
 
@@ -26,9 +28,11 @@ import math
 import torch
 
 from .display import PlotDisplay, in_notebook, show, static_png
+from .position_plots import TokenText, positions_heatmap, token_text
 
-__all__ = ["PlotDisplay", "block_values", "blocks_bar", "heads_heatmap", "in_notebook", "show", "source_matrix",
-           "sources_heatmap", "static_png", "top_bar", "top_table"]
+__all__ = ["PlotDisplay", "TokenText", "block_values", "blocks_bar", "heads_heatmap", "in_notebook",
+           "positions_heatmap", "show", "source_matrix", "sources_heatmap", "static_png", "token_text", "top_bar",
+           "top_table"]
 
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
            "ple": "#9467bd"}

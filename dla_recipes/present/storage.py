@@ -6,6 +6,10 @@ reads it: nothing in it runs code when loaded. The components are kept as they a
 (``by="neuron"`` on a large model: a few hundred runs for ~10^6 columns), any other sequence one record a column.
 
     {"format": "dla_recipes.Attribution", "version": 1, "fields": {...}, "components": {"runs": [...]}}
+
+A ``PositionAttribution`` (several positions a prompt) keeps its flat per-site attribution that way, next to its
+layout: ``{"format": "dla_recipes.PositionAttribution", "version": 1, "sites": {...}, "index": ..., "prompts":
+[...], "tokens": [[...], ...]}`` (``save_positions`` / ``load_positions``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..components import Component, Components, Run
 from ..errors import InputError
 
 FORMAT = "dla_recipes.Attribution"
+POSITIONS_FORMAT = "dla_recipes.PositionAttribution"
 VERSION = 1
 
 
@@ -36,6 +41,9 @@ def state_of(attr) -> dict:
 
 def fields_of(state) -> dict:
     """The keyword arguments of ``Attribution(...)`` that ``state_of`` saved."""
+    if isinstance(state, dict) and state.get("format") == POSITIONS_FORMAT:
+        raise InputError("this file is a saved PositionAttribution (several positions a prompt): read it with "
+                         "dla_recipes.PositionAttribution.load(path)")
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise InputError("this file is not a saved dla_recipes Attribution (write one with attr.save(path))")
     if state.get("version") != VERSION:
@@ -44,7 +52,7 @@ def fields_of(state) -> dict:
     fields = dict(state["fields"])
     for name in ("prompts", "target_tokens", "positions", "contrast_tokens"):
         if fields.get(name) is not None:
-            fields[name] = tuple(fields[name])
+            fields[name] = tuple(tuple(v) if isinstance(v, list) else v for v in fields[name])  # sum(): nested
     stored = state["components"]
     if "runs" in stored:
         fields["components"] = Components([Run(*(decode(field) for field in run)) for run in stored["runs"]])
@@ -64,6 +72,32 @@ def save(attr, path) -> Path:
 def load(path) -> dict:
     """The fields of the ``Attribution`` saved at ``path`` (read with ``weights_only=True``: plain data only)."""
     return fields_of(torch.load(Path(path), map_location="cpu", weights_only=True))
+
+
+def save_positions(attr, path) -> Path:
+    """Write a ``PositionAttribution`` to ``path`` (parent folders made); return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": POSITIONS_FORMAT, "version": VERSION, "sites": state_of(attr.sites),
+             "index": attr.index.detach().cpu(), "prompts": plain(attr.prompts), "tokens": plain(attr.tokens)}
+    torch.save(state, path)
+    return path
+
+
+def load_positions(path) -> dict:
+    """The fields of the ``PositionAttribution`` saved at ``path``: ``sites`` as ``Attribution`` keyword arguments
+    (``fields_of``), ``index``, ``prompts``, ``tokens`` (read with ``weights_only=True``)."""
+    state = torch.load(Path(path), map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        raise InputError("this file is a saved Attribution (one position a prompt): read it with "
+                         "dla_recipes.Attribution.load(path)")
+    if not isinstance(state, dict) or state.get("format") != POSITIONS_FORMAT:
+        raise InputError("this file is not a saved dla_recipes PositionAttribution (write one with attr.save(path))")
+    if state.get("version") != VERSION:
+        raise InputError(f"this PositionAttribution was saved in format version {state.get('version')}; this "
+                         f"dla_recipes reads version {VERSION}")
+    return {"sites": fields_of(state["sites"]), "index": state["index"], "prompts": tuple(state["prompts"]),
+            "tokens": tuple(tuple(t) for t in state["tokens"])}
 
 
 def encode(field):
