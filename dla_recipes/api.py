@@ -23,10 +23,10 @@ from .loading.load import as_standardized
 from .plan import build_plan
 from .plan import sources as source_split
 from .present.attribution import Attribution
-from .result import EDIT_HINT, assemble, rows_of
+from .result import EDIT_HINT, assemble, layout_of, rows_of
 from .selfcheck import model_dtype
-from .trace.recipe import DirectionCall, LogitCall
-from .transport.batches import groups, offsets, prepare, resolve_all
+from .trace.recipe import DirectionCall, LogitCall, TopCall
+from .transport.batches import groups, offsets, plain, prepare, resolve_all
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
 
@@ -48,6 +48,8 @@ class _Request:
     stop: object = None
     sources: object = None
     read_by: str = ""
+    layout: object = None
+    reduce: str | None = None
 
 
 def _complete(request: _Request, done: tuple = ()) -> Attribution:
@@ -59,7 +61,7 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     dtype = model_dtype(r.model)
     if ran.error is None:
         return assemble(r.plan, rows_of(r.batches), ran.readouts, r.by, dtype, r.tolerance, r.stop, r.sources,
-                        r.order, r.read_by, r.intervene is not None)
+                        r.order, r.read_by, r.intervene is not None, r.layout, r.reduce)
     k, n = len(ran.readouts), len(r.batches)
     ran_prompts = r.order[:sum(len(b.prompts) for b in r.batches[:k])]  # the user's indices of the prompts that ran
     covered = tuple(sorted(ran_prompts))
@@ -68,8 +70,10 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
         raise ran.error  # the first request failed for good: its RemoteError, nothing kept, nothing to resume
     partial = None
     if ran.readouts:  # its rows in the user's order too: rank the indices that ran
+        layout = None if r.layout is None else layout_of(r.batches[:k], groups_of(r)[:k])
         partial = assemble(r.plan, rows_of(r.batches[:k]), ran.readouts, r.by, dtype, r.tolerance, r.stop,
-                           r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None)
+                           r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None,
+                           layout, r.reduce)
     kept = (f"The {k} request(s) before it completed: their attribution ({len(covered)} prompt(s)) is kept in this "
             "error's .partial")
     then = (f"; call .resume() to send the {n - k} remaining request(s) and get the whole attribution." if resumable
@@ -82,13 +86,37 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     ) from ran.error
 
 
+def for_group(value, group: Sequence[int], n: int):
+    """``value``'s entries for the prompts of ``group`` when it has one per prompt (a list / tuple / array / tensor
+    of ``n``), else ``value`` itself (one for all: a token, a weighted set, ``"next"``, ``"mean"``)."""
+    if isinstance(value, (str, dict)) or value is None:
+        return value
+    if (isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) >= 1) and len(value) == n:
+        return [value[i] for i in group]
+    return value
+
+
+def check_reduce(reduce) -> None:
+    if reduce not in (None, "sum"):
+        raise InputError(f"reduce={reduce!r}: use None (one row a position) or 'sum' (each prompt's positions summed)")
+
+
+def groups_of(request: _Request) -> list[list[int]]:
+    """Each batch's prompts, as the user numbers them (``_Request.order`` cut by batch)."""
+    out, start = [], 0
+    for batch in request.batches:
+        out.append(list(request.order[start:start + len(batch.prompts)]))
+        start += len(batch.prompts)
+    return out
+
+
 def attribute(
     model,
-    prompts: str | Sequence[str],
+    prompts,
     target,
     *,
     contrast=None,
-    position: int = -1,
+    position=-1,
     by: Granularity = "block",
     remote=False,
     batch_size: int | None = None,
@@ -96,18 +124,29 @@ def attribute(
     tolerance: float | None = None,
     intervene=None,
     sources: dict | None = None,
-) -> Attribution:
+    reduce: str | None = None,
+):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
     Args:
         model: a ``StandardizedTransformer`` (``dla_recipes.load``). A transformers model, an nnsight
             ``LanguageModel``, a local model folder or a short name (``"smollm2"``) is loaded for you with
             ``load`` (default dtype and device, once per model); a hub id is refused: ``load`` it first.
-        prompts: a string or a list / tuple / generator of strings (a batch, padded as nnsight pads).
-        target, contrast: a token string (``" Paris"``) or id (an int, numpy integer or integer tensor); one for
-            all prompts or one per prompt (a list, array or tensor). A contrast equal to the target gives 0.
-        position: the attributed position; negative counts from the end of each prompt's own tokens, so padding
-            never shifts it.
+        prompts: a string or a list / tuple / generator of strings (a batch, padded as nnsight pads), or token ids:
+            a list of ints (one prompt), a list of id lists, a ``[batch, pos]`` integer tensor, or a dict /
+            ``BatchEncoding`` with ``input_ids`` and ``attention_mask``. Ids are attributed as given (no BOS added).
+        target: what is attributed at each position, any linear function of the logits:
+            a token string (``" Paris"``) or id; a weighted set of tokens (``{" Paris": 1.0, "Paris": 1.0}``: the sum
+            of their logits); ``"next"`` (at each position, the prompt's next token; a position with none is left
+            out); ``None`` (the model's own top token at each position, found by one more forward pass); one per
+            prompt (a list, array or tensor) or one per prompt and position (``[batch, n_positions]``).
+        contrast: subtracted from the target: a token, a weighted set, one per prompt or per prompt and position
+            (as ``target``), or ``"mean"`` (the mean logit over the vocabulary). A contrast equal to the target
+            gives 0.
+        position: an int (negative counts from the end of each prompt's own tokens, so padding never shifts it), a
+            list of ints, a ``slice`` of each prompt's own tokens or ``"all"``. With more than one, the result is a
+            ``PositionAttribution`` (``values [batch, n_positions, n_components]``, masked where a prompt is
+            shorter), computed in the same ONE forward pass.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
             of every routed expert), ``"expert"`` (one component per routed expert) or ``"source"`` (``L3.H5.S2``:
             head 5's part read from the prompt's own token 2; needs eager attention, see ``dla_recipes.sources``).
@@ -115,7 +154,8 @@ def attribute(
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
         batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
         progress: show a progress bar over the batches (default: when there is more than one).
-        tolerance: relative tolerance of the self-check (default by dtype: 1e-4 in float32).
+        tolerance: a relative tolerance replacing the self-check's bound (derived from the model's precision)
+            by ``tolerance * max(1, |logit|)`` at every position.
         intervene: ``fn(model)``, nnsight code run in the same forward pass before the attribution reads it: set
             or edit any module's input or output, at any block (in forward order, nnsight's rule within one
             function): zero a head's slice of ``o_proj``'s input, patch in a value computed earlier, add a
@@ -130,24 +170,40 @@ def attribute(
             only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
+        reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
+            of the span's logits, exact as each position is).
 
     Returns:
-        An ``Attribution``: ``values [batch, n_components]``, ``labels``, ``constant [batch]``, ``logit [batch]``,
-        ``error``. Raises ``ExactnessError`` when the parts do not sum to the model's own logit.
+        One int position: an ``Attribution`` (``values [batch, n_components]``, ``labels``, ``constant [batch]``,
+        ``logit [batch]``, ``error``); several: a ``PositionAttribution`` (``reduce="sum"``: an ``Attribution``).
+        Raises ``ExactnessError`` when the parts do not sum to the model's own logit at some prompt and position.
     """
     prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
+    check_reduce(reduce)
     model = as_standardized(model)
     plan = build_plan(model)
     plan.require(by)
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
-    targets, contrasts = resolve_all(model, prompts, target, contrast)  # every bad token named in one error
+    n = len(prompts)
+    if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
+        target, contrast = resolve_all(model, prompts, target, contrast)
     run_groups = groups(model, plan, prompts, batch_size)
-    batches = tuple(
-        prepare(model, [prompts[i] for i in g], [targets[i] for i in g],
-                None if contrasts is None else [contrasts[i] for i in g], position, rows=g)
-        for g in run_groups
-    )
+
+    def batches_for(target):
+        return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
+                             position, rows=g) for g in run_groups)
+
+    if target is None:  # the model's own top token at each site: one more forward pass reads it
+        batches = batches_for(0)
+        tops = run_batches(model, plan, batches, tuple(TopCall(b.positions, b.rows, int(b.encoding['input_ids'].shape[1])) for b in batches),
+                           remote=remote, progress=progress, intervene=intervene, desc="top tokens")
+        if tops.error is not None:
+            raise tops.error
+        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, ids), for_group(contrast, g, n), position,
+                                rows=g) for g, b, ids in zip(run_groups, batches, tops.readouts))
+    else:
+        batches = batches_for(target)
     if sources is not None and by != "source":
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
     split = None
@@ -158,12 +214,14 @@ def attribute(
         if top is not None:  # one more forward pass picks the heads to split
             heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
                               batch_size=batch_size, progress=progress, tolerance=tolerance, intervene=intervene)
+            heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, top, count, heads)
-    calls = tuple(LogitCall(plan, b.positions, b.targets, b.contrasts, by, split,
-                            offsets(b) if by == "source" else None, intervene is not None) for b in batches)
+    calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
+                            offsets(b) if by == "source" else None, intervene is not None, b.rows) for b in batches)
+    layout = layout_of(batches, run_groups, model.tokenizer)
     request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
-                       progress, intervene, sources=split)
+                       progress, intervene, sources=split, layout=layout, reduce=reduce)
     try:
         return _complete(request)
     except ExactnessError as error:
@@ -172,20 +230,29 @@ def attribute(
         raise type(error)(f"{error}\n\n{EDIT_HINT}") from error  # NonFiniteError stays one
 
 
+def top_grid(batch, ids: torch.Tensor) -> list[list[int]]:
+    """``[prompts, n_columns]`` token ids: each site's top token (``ids [n]``) in its prompt's row and column."""
+    grid = [[0] * batch.n_columns for _ in batch.prompts]
+    for b, column, token in zip(batch.rows.tolist(), batch.columns, ids.tolist()):
+        grid[b][column] = int(token)
+    return grid
+
+
 def attribute_direction(
     model,
-    prompts: str | Sequence[str],
+    prompts,
     direction: torch.Tensor,
     *,
     layer: int,
     sublayer: str = "mlp",
-    position: int = -1,
+    position=-1,
     by: Granularity = "block",
     remote=False,
     batch_size: int | None = None,
     progress: bool | None = None,
     tolerance: float | None = None,
-) -> Attribution:
+    reduce: str | None = None,
+):
     """Attribute ``norm(stream) @ direction`` where ``norm`` is the norm in front of block ``layer``'s ``sublayer``.
 
     The stream that sublayer reads is decomposed into the terms written before it (the embedding, every earlier
@@ -194,18 +261,20 @@ def attribute_direction(
     output in the same trace. Every row is read through that one norm's frozen scale.
 
     Args:
-        direction: ``[d_model]`` or ``[batch, d_model]``: a direction on the norm's output (a probe, a query
-            direction, a difference of means).
+        direction: ``[d_model]``, ``[batch, d_model]`` or ``[batch, n_positions, d_model]`` (one per prompt and
+            position): a direction on the norm's output (a probe, a query direction, a difference of means).
         layer, sublayer: the block and its sublayer (``"attn"``, ``"mlp"``, ...; names as in the labels) whose
             norm reads the stream: ``sublayer="mlp"`` is ``ln2`` / ``post_attention_layernorm``.
-        position, by, remote, batch_size, progress, tolerance: as in ``attribute``.
+        position, by, remote, batch_size, progress, tolerance, reduce: as in ``attribute``.
 
     Returns:
-        An ``Attribution`` whose ``logit`` is ``norm(stream) @ direction`` at each prompt's position.
+        An ``Attribution`` (several positions: a ``PositionAttribution``) whose ``logit`` is
+        ``norm(stream) @ direction`` at each prompt's position.
     """
     if by == "source":
         raise InputError("attribute_direction does not split heads by source yet: use by='head'")
     prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
+    check_reduce(reduce)
     model = as_standardized(model)
     plan = build_plan(model)
     plan.require(by)
@@ -219,15 +288,24 @@ def attribute_direction(
         )
     direction = direction.detach().float().cpu()
     width = int(model.lm_head.weight.shape[-1])
-    if direction.shape[-1] != width or direction.dim() not in (1, 2):
-        raise InputError(f"direction has shape {tuple(direction.shape)}: give [d_model={width}] or [batch, {width}]")
-    if direction.dim() == 2 and direction.shape[0] != len(prompts):
+    if direction.shape[-1] != width or direction.dim() not in (1, 2, 3):
+        raise InputError(f"direction has shape {tuple(direction.shape)}: give [d_model={width}], [batch, {width}] or "
+                         f"[batch, n_positions, {width}]")
+    if direction.dim() >= 2 and direction.shape[0] != len(prompts):
         raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
-    directions = direction.expand(len(prompts), -1)
+    directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
     run_groups = groups(model, plan, prompts, batch_size)
     batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g) for g in run_groups)
-    calls = tuple(DirectionCall(plan, b.positions, directions[torch.as_tensor(g)], stop, reads, by)
-                  for b, g in zip(batches, run_groups))
-    request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
-                       progress, stop=stop, read_by=f"L{stop[0]}.{reads}")
+    if direction.dim() == 3 and any(direction.shape[1] != b.n_columns for b in batches):
+        raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
+                         f"{max(b.n_columns for b in batches)}: give [batch, n_positions, {width}]")
+    calls = []
+    for b, g in zip(batches, run_groups):
+        mine = directions[torch.as_tensor(g)][b.rows]  # [n, (n_positions,) d]: each site's prompt's
+        if mine.dim() == 3:
+            mine = mine[torch.arange(len(b.rows)), torch.as_tensor(b.columns)]
+        calls.append(DirectionCall(plan, b.positions, mine, stop, reads, by, b.rows))
+    request = _Request(model, plan, batches, tuple(calls), tuple(i for g in run_groups for i in g), by, tolerance,
+                       remote, progress, stop=stop, read_by=f"L{stop[0]}.{reads}",
+                       layout=layout_of(batches, run_groups, model.tokenizer), reduce=reduce)
     return _complete(request)

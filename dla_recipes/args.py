@@ -93,10 +93,59 @@ def per_prompt(value, n: int, role: str) -> list:
     return [value] * n
 
 
-def check_prompts(prompts) -> list[str]:
-    """``prompts`` as a non-empty list of strings: a string, or a list / tuple / generator / array of strings."""
+Prompt = str | tuple[int, ...]  # a text, or a prompt's own token ids
+
+
+def token_ids(value, role: str) -> tuple[int, ...] | None:
+    """``value`` as a tuple of token ids when it is a sequence of integers (a list, a 1-D integer tensor or array),
+    else None; an empty sequence, or one mixing integers with other things, raises ``InputError``."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "ndim"):
+        if value.ndim != 1:
+            return None
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    if not any(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+        return None
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:
+        raise InputError(f"{role} mixes token ids with {bad[0]!r}: give a string or a list of int token ids")
+    return tuple(int(v) for v in value)
+
+
+def encoded_prompts(prompts) -> list[tuple[int, ...]] | None:
+    """Token-id prompts, each its own ids without padding: a ``[batch, pos]`` integer tensor / array (every token
+    real), a dict or ``BatchEncoding`` with ``input_ids`` and ``attention_mask``, or a list of id lists; None when
+    ``prompts`` is not token ids (a list of one prompt's ids is handled by ``check_prompts``)."""
+    if isinstance(prompts, Mapping) and "input_ids" in prompts:
+        ids, mask = prompts["input_ids"], prompts.get("attention_mask")
+        ids = torch.as_tensor(ids)
+        ids = ids[None] if ids.dim() == 1 else ids
+        mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.as_tensor(mask).reshape(ids.shape).bool()
+        return [tuple(int(t) for t in row[keep]) for row, keep in zip(ids, mask)]
+    if (isinstance(prompts, torch.Tensor) or type(prompts).__module__ == "numpy") and getattr(prompts, "ndim", 0) == 2:
+        if isinstance(prompts, torch.Tensor) and (prompts.dtype.is_floating_point or prompts.dtype == torch.bool):
+            raise InputError(f"prompts is a {prompts.dtype} tensor: token ids are integers")
+        return [tuple(int(t) for t in row) for row in prompts.tolist()]
+    return None
+
+
+def check_prompts(prompts) -> list[Prompt]:
+    """``prompts`` as a non-empty list of prompts, each a string or its own token ids (``tuple[int, ...]``).
+
+    Accepted: a string; a list / tuple / generator / array of strings; token ids: one prompt's (a list of ints, a
+    1-D integer tensor), several (a list of id lists, a ``[batch, pos]`` integer tensor: every token real), or a
+    dict / ``BatchEncoding`` with ``input_ids`` and ``attention_mask`` (the mask says which tokens are real, on
+    either side). Ids are attributed as given: no BOS token is added."""
     if prompts is None:
         raise InputError("prompts is None: pass a string or a list of strings, e.g. 'The Eiffel Tower is in'")
+    encoded = encoded_prompts(prompts)
+    one = None if encoded is not None else token_ids(prompts, "prompts")
+    if encoded is not None or one is not None:
+        encoded = [one] if one is not None else encoded
+        if not encoded:
+            raise InputError("no prompts given: pass a string or a non-empty list of strings")
+        return list(encoded)
     if isinstance(prompts, (str, bytes, bytearray)):
         prompts = [prompts]
     elif isinstance(prompts, (Mapping, AbstractSet)):
@@ -112,7 +161,11 @@ def check_prompts(prompts) -> list[str]:
             ) from None
     if not prompts:
         raise InputError("no prompts given: pass a string or a non-empty list of strings")
-    return [check_text(prompt, f"prompt {i}") for i, prompt in enumerate(prompts)]
+    out: list[Prompt] = []
+    for i, prompt in enumerate(prompts):
+        ids = token_ids(prompt, f"prompt {i}")
+        out.append(ids if ids is not None else check_text(prompt, f"prompt {i}"))
+    return out
 
 
 def check_call(prompts, by, batch_size, tolerance, remote=False) -> tuple[list[str], int | None, float | None]:
@@ -154,14 +207,41 @@ def check_int(value, role: str) -> int:
     return index
 
 
-def check_position(position) -> int:
-    """``position`` as an int (Python, numpy, 0-d integer tensor); negative counts from the end of each prompt."""
+Position = int | tuple[int, ...] | slice  # one position (today's shapes), a list of them, or a slice of each prompt
+
+
+def check_position(position) -> Position:
+    """``position`` checked: an int (Python, numpy, 0-d integer tensor), a list / tuple / 1-D tensor of ints, a
+    ``slice`` of each prompt's own tokens, or ``"all"`` (``slice(None)``). Negative values count from the end of each
+    prompt's own tokens."""
+    usage = ("give an int, a list of ints, a slice or 'all' (negative values count from the end of each prompt's "
+             "own tokens)")
+    if isinstance(position, str):
+        if position.strip().lower() == "all":
+            return slice(None)
+        raise InputError(f"position={position!r}: {usage}")
+    if isinstance(position, slice):
+        for name in ("start", "stop", "step"):
+            value = getattr(position, name)
+            if value is not None and as_index(value, f"position's slice {name}") is None:
+                raise InputError(f"position={position!r}: its {name} is not an int; {usage}")
+        start, stop, step = (None if v is None else as_index(v, "position") for v in
+                             (position.start, position.stop, position.step))
+        if step is not None and step <= 0:
+            raise InputError(f"position={position!r}: a slice's step must be positive (positions run forward)")
+        return slice(start, stop, step)
     index = None if position is None else as_index(position, "position")
-    if index is None:
-        raise InputError(
-            f"position must be one int for all prompts (negative counts from the end of each prompt), not {position!r}"
-        )
-    return index
+    if index is not None:
+        return index
+    many = position.tolist() if isinstance(position, torch.Tensor) or type(position).__module__ == "numpy" else position
+    if isinstance(many, (list, tuple, range)):
+        if not many:
+            raise InputError(f"position={position!r} is empty: {usage}")
+        items = [as_index(p, f"position {k} of the list") for k, p in enumerate(many)]
+        if any(p is None for p in items):
+            raise InputError(f"position={position!r} holds a value that is not an int: {usage}")
+        return tuple(items)
+    raise InputError(f"position={position!r}: {usage}")
 
 
 def check_batch_size(batch_size) -> int | None:

@@ -30,8 +30,8 @@ EDIT_HINT = (
 
 
 class Rows(NamedTuple):
-    """What was attributed, row by row (run order): the prompts, the target and contrast tokens (as text; contrast
-    None without one) and each row's own attributed position."""
+    """What was attributed, row by row (run order; a row is a site, one (prompt, position)): the prompts, the
+    target and contrast tokens (as text; contrast None without one) and each row's own attributed position."""
 
     prompts: tuple[str, ...]
     target_tokens: tuple[str, ...]
@@ -39,20 +39,81 @@ class Rows(NamedTuple):
     positions: tuple[int, ...]
 
 
+class Layout(NamedTuple):
+    """Where each run-order site goes in a ``[batch, n_positions]`` table (several positions a prompt).
+
+    Attributes:
+        prompt, column: each site's prompt (the user's index) and column.  prompts: the prompts' texts, and
+        tokens: their own tokens decoded one by one, both in the user's order.  one: one int position (the result
+        is a plain ``Attribution``, one row a prompt).
+    """
+
+    prompt: tuple[int, ...]
+    column: tuple[int, ...]
+    prompts: tuple[str, ...]
+    tokens: tuple[tuple[str, ...], ...]
+    one: bool
+
+    def order(self) -> list[int]:
+        """Each run-order site's row in the result (prompt-major: by prompt, then column)."""
+        keys = list(zip(self.prompt, self.column))
+        ranked = sorted(range(len(keys)), key=keys.__getitem__)
+        order = [0] * len(keys)
+        for rank, k in enumerate(ranked):
+            order[k] = rank
+        return order
+
+    def names(self, own: Sequence[int]) -> list[str]:
+        """Each run-order site as the user knows it: ``"prompt 3"`` or ``"prompt 3, position 5"``."""
+        if self.one:
+            return [f"prompt {p}" for p in self.prompt]
+        return [f"prompt {p}, position {o}" for p, o in zip(self.prompt, own)]
+
+
 def rows_of(batches: Sequence) -> Rows:
-    """The ``Rows`` of batches that ran (``transport.batches.Batch``), in order."""
+    """The ``Rows`` of batches that ran (``transport.batches.Batch``), in order, one per site."""
     contrast_tokens = [b.contrast_tokens for b in batches]
     return Rows(
-        prompts=sum((b.prompts for b in batches), ()),
+        prompts=sum((b.site_prompts for b in batches), ()),
         target_tokens=sum((b.target_tokens for b in batches), ()),
         contrast_tokens=None if contrast_tokens[0] is None else sum(contrast_tokens, ()),
         positions=sum((b.own_positions for b in batches), ()),
     )
 
 
+def layout_of(batches: Sequence, groups: Sequence[Sequence[int]], tokenizer=None) -> Layout:
+    """The ``Layout`` of batches run for these groups of the user's prompts (``groups[k]``: batch ``k``'s)."""
+    prompt, column, texts, tokens = [], [], {}, {}
+    one = all(b.one for b in batches)
+    for batch, group in zip(batches, groups):
+        prompt.extend(group[int(r)] for r in batch.rows)
+        column.extend(batch.columns or [0] * len(batch.rows))
+        for k, i in enumerate(group):
+            texts[i] = batch.prompts[k]
+            if not one and tokenizer is not None:
+                tokens[i] = tuple(tokenizer.decode([t]) for t in batch.ids[k])
+    ordered = sorted(texts)
+    return Layout(tuple(prompt), tuple(column), tuple(texts[i] for i in ordered),
+                  tuple(tokens[i] for i in ordered) if tokens else (), one)
+
+
+def by_position(attr: Attribution, layout: Layout):
+    """The ``PositionAttribution`` of ``attr`` (its rows the sites in the user's order, ``Layout.order``): a column
+    masked in every prompt (``target="next"`` at the last position) is left out."""
+    from .present.positions import PositionAttribution
+
+    prompts = sorted(set(layout.prompt))
+    width = max(layout.column) + 1
+    index = torch.full((len(prompts), width), -1, dtype=torch.long)
+    for row, k in enumerate(sorted(range(len(layout.prompt)), key=lambda k: (layout.prompt[k], layout.column[k]))):
+        index[prompts.index(layout.prompt[k]), layout.column[k]] = row
+    index = index[:, (index >= 0).any(0)]
+    return PositionAttribution(attr, index, layout.prompts, layout.tokens)
+
+
 def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
              tolerance: float | None = None, stop=None, sources=None, order: Sequence[int] | None = None,
-             read_by: str = "", edits: bool = False) -> Attribution:
+             read_by: str = "", edits: bool = False, layout: Layout | None = None, reduce: str | None = None):
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order).
 
     Args:
@@ -64,10 +125,14 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
         read_by: ``attribute_direction``'s norm (``"L3.ln_2"``); empty for a logit.
         edits: the forward pass may have been edited (``intervene=``, ``trace_attribution``): each split term has
             an ``.edit`` column (``Plan.components``).
+        layout: where each site goes (several positions a prompt: the result is a ``PositionAttribution``, its
+            rows ordered by ``layout.order()``, which replaces ``order``); None: one row a prompt.
+        reduce: ``"sum"``: each prompt's positions summed into one row (``PositionAttribution.sum``).
     """
     readout = Readout.concat(readouts)
     components, labels = components_of(plan, by, stop, sources, edits)
-    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits)
+    names = layout.names(rows.positions) if layout is not None else None
+    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits, names=names)
     computed = str(computed_dtype(readout, dtype)).removeprefix("torch.")  # what sized the bound (error_summary)
     attr = Attribution(
         values=readout.values,
@@ -93,7 +158,13 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
         components=components,
         dtype=computed,
     )
-    return attr if order is None else in_user_order(attr, order)
+    if layout is not None:
+        order = layout.order()
+    attr = attr if order is None else in_user_order(attr, order)
+    if layout is None or layout.one and reduce is None:
+        return attr
+    positions = by_position(attr, layout)
+    return positions.sum() if reduce == "sum" else positions
 
 
 # plan -> {(by, stop, sources): (components, labels)}: a loop of calls on one model builds them once (by="neuron" on

@@ -108,8 +108,13 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
     )
 
 
+def _where(names, row: int) -> str:
+    """The row as the user knows it: ``names[row]`` (``"prompt 3, position 5"``), else ``"prompt {row}"``."""
+    return names[row] if names is not None and row < len(names) else f"prompt {row}"
+
+
 def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-               labels: list[str] | None = None, edits: bool = False) -> tuple[float, dict]:
+               labels: list[str] | None = None, edits: bool = False, names=None) -> tuple[float, dict]:
     """Check ``readout`` (see the module docstring); return ``(error, diagnostics)`` or raise.
 
     Args:
@@ -117,6 +122,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
         dtype: the dtype the model computes in.  tolerance: a user's relative tolerance (replaces the bound).
         labels: the components' labels (to name the first non-finite one).
         edits: the call may carry an edit of the forward pass (it has ``.edit`` columns; the messages say so).
+        names: each row as the user knows it (``"prompt 3, position 5"``), for the messages; default its index.
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
@@ -135,7 +141,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     _check_head(readout, plan, u, tolerance)
     if by == "source":
         _check_pattern(readout, plan, u, edits)
-    _check_split(readout, plan, by, dtype, u, floor, bound, tolerance)
+    _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names)
     gaps = (total + readout.split_gap - readout.logit).abs()
     if bool((gaps > bound).any()):
         worst = int(torch.argmax(gaps / bound))
@@ -167,7 +173,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
             )
         raise ExactnessError(
             f"family {plan.family.name!r}: the parts sum to {float(total[worst] + readout.split_gap[worst]):.6g} but "
-            f"the model's own logit is {float(readout.logit[worst]):.6g} (prompt {worst}, error {gap:.3g} > "
+            f"the model's own logit is {float(readout.logit[worst]):.6g} ({_where(names, worst)}, error {gap:.3g} > "
             f"tolerance {allowed:.3g}, by={by!r}, {dtype}). {cause} dla_recipes refuses to return a wrong attribution."
         )
     return error, diagnostics
@@ -219,7 +225,7 @@ def _term_label(plan, code: float) -> str:
         return f"block {layer}'s term {k}"
 
 
-def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance) -> None:
+def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names=None) -> None:
     """Each checked split term's parts and bias explain what it wrote, to its own rounding (step 3), or raise."""
     parts = {"head": "heads", "neuron": "neurons"}.get(by, "parts")
     if tolerance is None:
@@ -229,7 +235,7 @@ def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance) -> None:
             term = _term_label(plan, float(readout.split_worst_term[worst]))
             raise ExactnessError(
                 f"family {plan.family.name!r}: by={by!r}, {term} wrote {float(readout.split_worst_gap[worst]):+.3g} "
-                f"into the residual stream (along the logit, prompt {worst}) that its {parts} and bias do not "
+                f"into the residual stream (along the logit, {_where(names, worst)}) that its {parts} and bias do not "
                 f"explain, more than its {dtype} rounding allows ({float(allowed[worst]):.3g}). Either the forward "
                 f"pass was edited after {term}'s projection without dla_recipes knowing (a torch hook, or nnsight "
                 f"code outside the call: pass the edit as attribute(..., intervene=fn), where it is attributed as "
@@ -242,7 +248,7 @@ def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance) -> None:
         worst = int(torch.argmax(split / split_bound))
         raise ExactnessError(
             f"family {plan.family.name!r}: by={by!r}, the split terms' {parts} and biases differ from what the terms "
-            f"wrote into the residual stream by {float(split[worst]):.3g} in all (prompt {worst}), more than "
+            f"wrote into the residual stream by {float(split[worst]):.3g} in all ({_where(names, worst)}), more than "
             + (f"their {dtype} rounding allows" if tolerance is None else f"tolerance={tolerance:g} allows")
             + f" ({float(split_bound[worst]):.3g}): an edit after a projection that dla_recipes does not know of (pass "
             "it as intervene=fn) or a family table split entry that does not describe what these terms write; "

@@ -297,3 +297,37 @@ class DirectionCall:
         """The attribution of this batch's direction, inside the running trace of ``model``."""
         return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
                                      self.rows)
+
+
+@dataclass
+class TopTokens:
+    """``ids`` ``[n]``: the model's own top token at each site; ``pack()`` is what a trace sends back."""
+
+    ids: torch.Tensor
+
+    def pack(self) -> torch.Tensor:
+        """``[n, 1]`` float32 (ids below 2^24 are exact)."""
+        return self.ids.float().reshape(-1, 1)
+
+
+@dataclass(frozen=True)
+class TopCall:
+    """The model's own top token at each site (``target=None``): ``call.run(model)`` in a trace reads the output
+    logits there (``positions`` ``[n]`` into the padded sequence of length ``seq``, ``rows`` ``[n]`` each site's
+    prompt); ``TopCall.unpack`` of what comes back is ``[n]`` long token ids."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+    seq: int
+
+    def run(self, model) -> TopTokens:
+        """Inside the running trace of ``model``: the argmax of the output logits at each site."""
+        with torch.no_grad():
+            logits = model.output.logits  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
+            kept = self.positions - (self.seq - logits.shape[1])
+            return TopTokens(logits[self.rows.to(logits.device), kept.to(logits.device)].argmax(-1).cpu())
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> torch.Tensor:
+        """``[n]`` long: the ids ``TopTokens.pack`` sent."""
+        return packed.reshape(-1).long()

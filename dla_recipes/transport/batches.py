@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,33 +27,49 @@ import torch
 from ..args import as_index, check_position, check_prompts, check_text, per_prompt
 from ..errors import InputError
 from ..families import text_config
+from ..trace.targets import LinearTarget
+from .sites import place, targets_of, token_problems, which
 
 Token = str | int
 
 
 @dataclass(frozen=True)
 class Batch:
-    """A checked batch.
+    """A checked batch: its prompts padded into one encoding, and its sites (``transport.sites``), prompt-major.
 
     Attributes:
-        prompts: the prompts, as given.
+        prompts: the prompts as text (token-id prompts decoded), one per prompt.
         encoding: ``{"input_ids", "attention_mask"}`` ``[batch, seq]``, padded on the tokenizer's side.
-        positions: ``[batch]`` long, each prompt's attributed position as an index into the padded sequence.
-        own_positions: each attributed position as an index into the prompt's own tokens (``0..length-1``).
-        targets, contrasts: ``[batch]`` long token ids (``contrasts`` None without a contrast).
-        target_tokens, contrast_tokens: the tokens decoded to text (``" Paris"``), for display.
+        positions: ``[n]`` long, each site's position as an index into the padded sequence.
+        own_positions: each site's position in its prompt's own tokens (``0..length-1``).
+        targets: the ``LinearTarget`` of each site (a contrast folded in; ``contrasts`` is then None).
+        contrasts: None (kept for the in-trace call's signature).
+        target_tokens, contrast_tokens: each site's target and contrast as text (``" Paris"``, ``"mean"``).
         lengths: each prompt's own token count.
+        rows: ``[n]`` long, each site's prompt (its row of the batch).  columns: each site's column.
+        n_columns: the columns of the ``[batch, n_positions]`` layout.  one: one int position (today's shapes).
+        ids: each prompt's own token ids.
     """
 
     prompts: tuple[str, ...]
     encoding: dict
     positions: torch.Tensor
     own_positions: tuple[int, ...]
-    targets: torch.Tensor
+    targets: object
     contrasts: torch.Tensor | None
     target_tokens: tuple[str, ...]
     contrast_tokens: tuple[str, ...] | None
     lengths: tuple[int, ...]
+    rows: torch.Tensor | None = None
+    columns: tuple[int, ...] = ()
+    n_columns: int = 1
+    one: bool = True
+    ids: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def site_prompts(self) -> tuple[str, ...]:
+        """Each site's prompt text."""
+        return tuple(self.prompts[int(b)] for b in self.rows)
 
 
 def vocab_size(model) -> int:
@@ -139,25 +155,6 @@ def tokenizer_of(model):
     return model.tokenizer
 
 
-def which(indices: Sequence[int], n: int) -> str:
-    """``"prompt 3"``, ``"prompts 0, 4, 7"`` (at most 10 named), or ``"all 60 prompts"``."""
-    if len(indices) == n and n > 1:
-        return f"all {n} prompts"
-    if len(indices) == 1:
-        return f"prompt {indices[0]}"
-    named = ", ".join(map(str, indices[:10]))
-    return f"prompts {named}" + (f", ... ({len(indices) - 10} more)" if len(indices) > 10 else "")
-
-
-def token_problems(problems: dict[str, list[int]], n: int) -> str:
-    """One message for every bad token: ``{message: prompt indices}``."""
-    if len(problems) == 1:
-        (message, indices), = problems.items()
-        return f"{which(indices, n)}: {message}"
-    lines = [f"  {which(indices, n)}: {message}" for message, indices in problems.items()]
-    return f"{len(problems)} bad tokens, each after the prompts it was given for; fix them all:\n" + "\n".join(lines)
-
-
 def spaced_id(tokenizer, word: str) -> int | None:
     """The id of ``" " + word`` when that is a single token, else None (``word``: no leading space, a letter
     first)."""
@@ -226,9 +223,10 @@ def check_length(model, lengths: Sequence[int], rows: Sequence[int] | None = Non
             )
 
 
-def prepare(model, prompts: str | Sequence[str], target, contrast=None, position: int = -1,
-            rows: Sequence[int] | None = None) -> Batch:
-    """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens.
+def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[int] | None = None) -> Batch:
+    """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens
+    (``args.check_position``: an int, a list, a slice, ``"all"``); ``prompts`` are texts or token ids
+    (``args.check_prompts``).
 
     ``rows``: each prompt's index in the user's list (a batch of a larger call), so that errors name the prompt
     the user knows; default ``0..n-1``.
@@ -236,15 +234,26 @@ def prepare(model, prompts: str | Sequence[str], target, contrast=None, position
     prompts = check_prompts(prompts)
     rows = list(rows) if rows is not None else list(range(len(prompts)))
     for i, prompt in zip(rows, prompts):
-        if prompt == "":
+        if len(prompt) == 0:
             raise InputError(f"prompt {i} is empty: give it some text to attribute")
     position = check_position(position)
-    encoding = tokenizer_of(model)(prompts, return_tensors="pt", padding=True)
+    tokenizer = tokenizer_of(model)
+    if all(isinstance(p, str) for p in prompts):
+        encoding = tokenizer(prompts, return_tensors="pt", padding=True)
+        texts = prompts
+    else:  # token ids, as given (a text among them is tokenized as nnsight would)
+        lists = [list(p) if not isinstance(p, str) else tokenizer(p)["input_ids"] for p in prompts]
+        vocab = vocab_size(model)
+        bad = [i for i, ids in zip(rows, lists) if any(not 0 <= t < vocab for t in ids)]
+        if bad:
+            raise InputError(f"{which(bad, len(prompts))}: token ids outside the vocabulary (ids 0..{vocab - 1})")
+        encoding = tokenizer.pad({"input_ids": lists}, return_tensors="pt", padding=True)
+        texts = [p if isinstance(p, str) else tokenizer.decode(list(p)) for p in prompts]
     encoding = {"input_ids": encoding["input_ids"], "attention_mask": encoding["attention_mask"]}
-    return prepare_encoding(model, encoding, target, contrast, position, prompts, rows)
+    return prepare_encoding(model, encoding, target, contrast, position, texts, rows)
 
 
-def prepare_encoding(model, encoding: dict, target, contrast=None, position: int = -1, prompts=None,
+def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, prompts=None,
                      rows: Sequence[int] | None = None) -> Batch:
     """``prepare`` for a batch already tokenized (``encoding``: ``input_ids`` and ``attention_mask``
     ``[batch, seq]``, padded on either side), e.g. the batch nnsight assembled from a trace's invokes.
@@ -261,35 +270,63 @@ def prepare_encoding(model, encoding: dict, target, contrast=None, position: int
     lengths = mask.sum(-1).tolist()
     rows = list(rows) if rows is not None else list(range(len(lengths)))
     check_length(model, lengths, rows)
-    positions, own_positions = [], []
-    for k, (i, prompt, length) in enumerate(zip(rows, prompts, lengths)):
+    for i, prompt, length in zip(rows, prompts, lengths):
         if length == 0:
             raise InputError(f"prompt {i} ({prompt!r}) is empty: it has no tokens to attribute")
-        own = position + length if position < 0 else position
-        if not 0 <= own < length:
-            raise InputError(
-                f"position {position} is outside prompt {i} ({prompt!r}), which has {length} tokens: "
-                f"use {-length}..{length - 1}"
-            )
-        token_indices = mask[k].nonzero()[:, 0]
-        positions.append(int(token_indices[own]))
-        own_positions.append(own)
-    targets, contrasts = resolve_all(model, prompts, target, contrast, rows)
+    own_ids = [tuple(int(t) for t in row[keep]) for row, keep in zip(ids, mask)]
+    next_token = isinstance(target, str) and target == "next"
+    names = [f"prompt {i} ({short_text(p)})" for i, p in zip(rows, prompts)]
+    placed = place(position, lengths, names, own_ids, next_token)
+    padded = [mask[k].nonzero()[:, 0] for k in range(len(lengths))]
+    positions = [int(padded[b][own]) for b, own in zip(placed.rows, placed.own)]
+    next_ids = [own_ids[b][own + 1] for b, own in zip(placed.rows, placed.own)] if next_token else None
+    user = [rows[b] for b in placed.rows]  # each site's prompt, as the user numbers it
+    if placed.one and plain(target) and plain(contrast):
+        targets, contrasts = resolve_all(model, prompts, target, contrast, rows)  # one site per prompt: as before
+        linear = LinearTarget.tokens(torch.tensor(targets), None if contrasts is None else torch.tensor(contrasts))
+        target_texts = tuple(tokenizer.decode([t]) for t in targets)
+        contrast_texts = None if contrasts is None else tuple(tokenizer.decode([t]) for t in contrasts)
+    else:
+        linear, target_texts, contrast_texts = targets_of(
+            lambda token, role: resolve_token(model, token, role), tokenizer.decode, placed, len(lengths), target,
+            contrast, placed.n_columns, next_ids, user)
     return Batch(
         prompts=tuple(prompts),
         encoding=encoding,
         positions=torch.tensor(positions, dtype=torch.long),
-        own_positions=tuple(own_positions),
-        targets=torch.tensor(targets, dtype=torch.long),
-        contrasts=None if contrasts is None else torch.tensor(contrasts, dtype=torch.long),
-        target_tokens=tuple(tokenizer.decode([t]) for t in targets),
-        contrast_tokens=None if contrasts is None else tuple(tokenizer.decode([t]) for t in contrasts),
+        own_positions=placed.own,
+        targets=linear,
+        contrasts=None,
+        target_tokens=target_texts,
+        contrast_tokens=contrast_texts,
         lengths=tuple(int(n) for n in lengths),
+        rows=torch.tensor(placed.rows, dtype=torch.long),
+        columns=placed.columns,
+        n_columns=placed.n_columns,
+        one=placed.one,
+        ids=tuple(own_ids),
     )
 
 
+def plain(value) -> bool:
+    """Whether a target / contrast is tokens only: one, or one per prompt (no weighted set, no ``"mean"``, no
+    ``[batch, n_positions]`` grid): then one site per prompt is resolved as ``resolve_all`` does."""
+    if isinstance(value, Mapping) or isinstance(value, str) and value in ("mean", "next"):
+        return False
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "ndim"):
+        return value.ndim <= 1
+    if isinstance(value, (list, tuple)):
+        return not any(isinstance(v, (Mapping, list, tuple)) for v in value)
+    return True
+
+
+def short_text(text: str, width: int = 30) -> str:
+    """``repr(text)``, cut to about ``width`` characters."""
+    return repr(text) if len(text) <= width else repr(text[: width - 1] + "…")
+
+
 def offsets(batch: Batch) -> torch.Tensor:
-    """``[batch]`` long: where each prompt's own tokens start in the padded sequence."""
+    """``[n]`` long: where each site's prompt's own tokens start in the padded sequence."""
     return batch.positions - torch.tensor(batch.own_positions, dtype=torch.long)
 
 
@@ -323,4 +360,4 @@ def token_lengths(model, prompts: Sequence[str]) -> list[int]:
     tokenizer = model.tokenizer
     if tokenizer is None:
         return [0] * len(prompts)  # prepare raises the clear error
-    return [len(tokenizer(p)["input_ids"]) if isinstance(p, str) else 0 for p in prompts]
+    return [len(tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]

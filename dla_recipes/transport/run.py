@@ -69,7 +69,7 @@ def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout
             if not remote:
                 raise
             attempt = retry_or_raise(error, attempt, remote)
-    return Readout.unpack(packed)
+    return getattr(call, "unpack", Readout.unpack)(packed)
 
 
 def keeps_logits(model) -> bool:
