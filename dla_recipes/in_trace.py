@@ -47,6 +47,7 @@ from .errors import InputError, TraceUsageError
 from .families import family_of
 from .plan.build import plan_for
 from .plan.plan import Plan
+from .result import layout_of
 from .selfcheck import model_dtype
 from .trace.recipe import direct_logit_attribution
 from .transport.batches import prepare_encoding
@@ -70,8 +71,10 @@ class TracedAttribution:
         prompts, target_tokens, contrast_tokens, positions: each row's text, tokens and own position.
         tolerance: a relative tolerance replacing the self-check's bound (derived from the precision the model
             computed in, read in the trace, unless given).  dtype: the dtype the model's weights are in.
-        packed: ``[batch, n_components + len(Readout.FIELDS)]`` the recipe's output (``Readout.pack``), None until
-            the trace has run.
+        packed: ``[n, n_components + len(Readout.FIELDS)]`` the recipe's output (``Readout.pack``, one row a
+            site), None until the trace has run.
+        layout, reduce: where each site goes (``result.Layout``) and ``reduce`` (``"sum"`` or None), as in
+            ``attribute``.
     """
 
     plan: Plan
@@ -83,8 +86,10 @@ class TracedAttribution:
     tolerance: float | None
     dtype: torch.dtype = torch.float32
     packed: torch.Tensor | None = None
+    layout: object = None
+    reduce: str | None = None
 
-    def result(self) -> Attribution:
+    def result(self):
         """The ``Attribution`` of the traced (edited) forward pass, self-checked: raises ``ExactnessError`` when
         the parts do not sum to the model's own logit, ``TraceUsageError`` before the trace has run."""
         # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
@@ -98,7 +103,8 @@ class TracedAttribution:
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
         readouts = [Readout.unpack(self.packed)]
         try:
-            return assemble(self.plan, rows, readouts, self.by, self.dtype, self.tolerance, edits=True)
+            return assemble(self.plan, rows, readouts, self.by, self.dtype, self.tolerance, edits=True,
+                            layout=self.layout, reduce=self.reduce)
         except ExactnessError as failed:
             raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 
@@ -176,9 +182,10 @@ def trace_attribution(
     target,
     *,
     contrast=None,
-    position: int = -1,
+    position=-1,
     by: Granularity = "block",
     tolerance: float | None = None,
+    reduce: str | None = None,
 ) -> TracedAttribution:
     """Attribute the logit of ``target`` (minus ``contrast``) inside your own trace, after your edits.
 
@@ -188,8 +195,9 @@ def trace_attribution(
 
     Args:
         tracer: the ``tracer`` of ``with model.trace() as tracer:``.
-        target, contrast, position, by, tolerance: as in ``attribute``; one target for every row of the batch or
-            one per row (the rows of all invokes, in order).
+        target, contrast, position, by, tolerance, reduce: as in ``attribute``; one target for every row of the
+            batch or one per row (the rows of all invokes, in order); several positions give a
+            ``PositionAttribution``.
 
     Returns:
         A ``TracedAttribution``; after the trace, ``.result()`` is the ``Attribution`` (labels, ``error``,
@@ -205,24 +213,26 @@ def trace_attribution(
     batch = prepare_encoding(model, encoding, target, contrast, position)
     plan = plan_for(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
     shape = tuple(encoding["input_ids"].shape)
+    if reduce not in (None, "sum"):
+        raise InputError(f"reduce={reduce!r}: use None (one row a position) or 'sum' (each prompt's positions summed)")
     handle = TracedAttribution(
-        plan=plan, by=by, prompts=batch.prompts, target_tokens=batch.target_tokens,
+        plan=plan, by=by, prompts=batch.site_prompts, target_tokens=batch.target_tokens,
         contrast_tokens=batch.contrast_tokens, positions=batch.own_positions,
         tolerance=tolerance, dtype=model_dtype(model),
+        layout=layout_of([batch], [list(range(len(batch.prompts)))], model.tokenizer), reduce=reduce,
     )
-    positions, targets, contrasts = batch.positions, batch.targets, batch.contrasts
+    positions, targets, contrasts, rows = batch.positions, batch.targets, batch.contrasts, batch.rows
     if placement == "first":
 
         def run():
             _check_batch(model, shape)
             handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by,
-                                                          edits=True).pack())
+                                                                  edits=True, rows=rows).pack())
 
         _run_alongside(tracer.envoy.interleaver, run)
         return nnsight.save(handle)
     with tracer.invoke():
         _check_batch(model, shape)
-        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by,
-                                                          edits=True).pack()
+        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by, edits=True, rows=rows).pack()
         handle.packed = nnsight.save(packed)
     return nnsight.save(handle)

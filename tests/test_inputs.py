@@ -223,7 +223,7 @@ def test_an_unspaced_word_is_attributed_as_given_with_a_warning():
     prompts = ["The Eiffel Tower is in the city of", "I live in", "Visit\n"]
     with pytest.warns(UserWarning) as caught:
         batch = prepare(stub, prompts, "Paris", contrast="London")
-    assert batch.targets.tolist() == [40313] * 3 and batch.target_tokens == ("Paris",) * 3  # as given
+    assert batch.targets.ids[:, 0].tolist() == [40313] * 3 and batch.target_tokens == ("Paris",) * 3  # as given
     assert [str(w.message) for w in caught] == [
         ("target 'Paris' has no leading space, but ' Paris' is one token too (id 6342), the one a model usually "
         "predicts after a word, and prompts 0, 1 do not end in a space. Attributing 'Paris' (id 40313) as given: "

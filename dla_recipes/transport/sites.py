@@ -46,7 +46,8 @@ def own_positions(position: Position, length: int) -> list[int | None]:
     if isinstance(position, slice):
         return list(range(length))[position]
     values = (position,) if isinstance(position, int) else position
-    return [p + length if p < 0 else p if 0 <= p + (length if p < 0 else 0) < length else None for p in values]
+    owns = [p + length if p < 0 else p for p in values]
+    return [o if 0 <= o < length else None for o in owns]
 
 
 def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids: Sequence[Sequence[int]],
