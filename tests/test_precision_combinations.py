@@ -11,7 +11,8 @@ single-threaded, and remote equals local bit for bit.
 NDIF runs every request inside ``torch.autocast("cuda", dtype=<model dtype>)``; on the CPU
 ``torch.autocast("cpu", dtype=torch.bfloat16)`` reproduces it, locally and on the loopback server
 (``LoopbackServer(..., autocast=True)``). The model's own forward does not move under it (its weights are already
-bfloat16), but the recipe's float32 arithmetic does (issue 19): that comparison is a strict xfail until it is fixed.
+bfloat16), but the recipe's float32 arithmetic would (issue 19): the recipe switches it off around its own products
+(``math.linalg.exact``), and the parts under the bracket equal the parts without it.
 """
 
 from __future__ import annotations
@@ -46,17 +47,17 @@ SERVED = [("llama", torch.bfloat16), ("gpt2", torch.bfloat16), ("mixtral", torch
           ("llama", torch.float32)]
 HALF_SERVED = [f"{family}-{NAMES[dtype]}" for family, dtype in SERVED if dtype != torch.float32]
 AUTOCAST_SERVED = ["llama-bf16", "gpt2-bf16"]
-ISSUE_19 = pytest.mark.xfail(strict=True, reason="issue 19: autocast reaches the recipe")
 
 _MODELS: dict = {}
 
 
-def half_model(family: str, dtype: torch.dtype):
-    """A tiny perturbed ``family`` model in ``dtype`` (cached)."""
-    if (family, dtype) not in _MODELS:
-        _MODELS[family, dtype] = dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(),
-                                                  device_map="cpu", dispatch=True)
-    return _MODELS[family, dtype]
+def half_model(family: str, dtype: torch.dtype, eager: bool = False):
+    """A tiny perturbed ``family`` model in ``dtype`` (cached); ``eager``: with eager attention (``by="source"``)."""
+    if (family, dtype, eager) not in _MODELS:
+        extra = {"attn_implementation": "eager"} if eager else {}
+        _MODELS[family, dtype, eager] = dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(),
+                                                         device_map="cpu", dispatch=True, **extra)
+    return _MODELS[family, dtype, eager]
 
 
 def dtype_of(model) -> torch.dtype:
@@ -215,14 +216,14 @@ def test_autocast_sums_match_the_plain_forward(family, by):
         assert_logit_sums(attr, model)
 
 
-@pytest.mark.parametrize("by", ["block", pytest.param("head", marks=ISSUE_19), pytest.param("neuron", marks=ISSUE_19)])
+@pytest.mark.parametrize("by", ["block", "head", "neuron", "source"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_autocast_leaves_the_parts_alone(family, by):
     """The bracket does not move a bfloat16 model's own forward (its weights are bfloat16 already), so it must not
-    move the parts: they are the recipe's float32 arithmetic. Measured (issue 19): the parts move by up to 1.6e-3 of
-    the largest part at by="head" (llama; gpt2 2.3e-4) and 1.6e-4 at by="neuron" (llama; gpt2 6.3e-5), not at
-    by="block"; float32 rounding would be ~1e-7."""
-    model = half_model(family, torch.bfloat16)
+    move the parts: they are the recipe's float32 arithmetic. Measured before the recipe switched autocast off
+    around its own products (``math.linalg.exact``): the parts moved by up to 1.6e-3 of the largest part at
+    by="head" (llama; gpt2 2.3e-4) and 1.6e-4 at by="neuron" (llama; gpt2 6.3e-5), not at by="block"; after: 0."""
+    model = half_model(family, torch.bfloat16, eager=by == "source")
     plain = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, progress=False)
     with autocast():
         bracketed = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by, progress=False)

@@ -2,11 +2,35 @@
 
 Tensors in, tensors out; nothing here knows a family. ``matmul_f32`` never holds a float32 copy of a whole
 low-precision weight: it converts a slice of rows at a time (``CHUNK_ELEMENTS``).
+
+``exact()`` switches off the caller's autocast around the recipe's own products: NDIF runs every request inside
+``torch.autocast("cuda", dtype=<model dtype>)``, which would turn a float32 matmul of the recipe into a bfloat16
+one. Only pure arithmetic runs inside it (no read of the running model: a read hands control to the model's
+forward, which must keep the caller's autocast).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+class exact:
+    """Autocast off (CUDA and CPU, where it is on) for the arithmetic inside: float32 stays float32.
+
+    A class, not a ``contextlib.contextmanager``: a remote trace ships the functions it calls by their source, and
+    a generator function's decorator does not travel with it."""
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for device in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(device):
+                self.stack.enter_context(torch.autocast(device, enabled=False))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
 
 
 def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -25,15 +49,16 @@ def matmul_f32(x: torch.Tensor, weight: torch.Tensor, transpose: bool = False) -
     the products are accumulated in float32.
     """
     x = x.to(weight.device)
-    if weight.dtype == torch.float32:
-        return x @ weight.T if transpose else x @ weight
-    step = max(1, CHUNK_ELEMENTS // weight.shape[1])
-    if transpose:  # weight [n, k]: each slice of rows gives a slice of the output's columns
-        return torch.cat([x @ weight[i:i + step].float().T for i in range(0, weight.shape[0], step)], -1)
-    out = torch.zeros(x.shape[0], weight.shape[1], device=weight.device)
-    for i in range(0, weight.shape[0], step):  # weight [k, n]: each slice of rows adds its share of the sum
-        out += x[:, i:i + step] @ weight[i:i + step].float()
-    return out
+    with exact():
+        if weight.dtype == torch.float32:
+            return x @ weight.T if transpose else x @ weight
+        step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+        if transpose:  # weight [n, k]: each slice of rows gives a slice of the output's columns
+            return torch.cat([x @ weight[i:i + step].float().T for i in range(0, weight.shape[0], step)], -1)
+        out = torch.zeros(x.shape[0], weight.shape[1], device=weight.device)
+        for i in range(0, weight.shape[0], step):  # weight [k, n]: each slice of rows adds its share of the sum
+            out += x[:, i:i + step] @ weight[i:i + step].float()
+        return out
 
 
 def linear_pullback(module, u: torch.Tensor, transposed: bool):

@@ -43,7 +43,7 @@ import torch
 
 from ..args import Granularity, check_granularity
 from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
-from ..math.linalg import dot
+from ..math.linalg import dot, exact
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
@@ -119,7 +119,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
                 post, comb = hyper
                 if comb is not None:
-                    carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
+                    with exact():
+                        carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
                 carried.append(post)
             scores.append(score.to(scores[0].device))
             if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
@@ -131,8 +132,10 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             previous = stream_after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
-        collapse = plan.family.collapse_weights(head, at(head.input, sites))  # [n, streams]
-        weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
+        read = at(head.input, sites)
+        with exact():
+            collapse = plan.family.collapse_weights(head, read)  # [n, streams]
+            weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
     return torch.cat(scores, -1), fit_errors, sites
 

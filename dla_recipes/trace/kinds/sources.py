@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import DLAError
+from ...math.linalg import exact
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm, Sources
 from ..readers import Sites, at, read_site
@@ -93,7 +94,8 @@ def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, row
     out = None
     for b in torch.unique(rows).tolist():
         index = (rows == b).nonzero()[:, 0]
-        piece = torch.einsum(equation, site_side[index], values[b])
+        with exact():
+            piece = torch.einsum(equation, site_side[index], values[b])
         if out is None:
             out = piece.new_zeros((site_side.shape[0], *piece.shape[1:]))
         out[index] = piece
