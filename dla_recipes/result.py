@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .present.attribution import Attribution
+from .present.positions import PositionAttribution
 from .selfcheck import computed_dtype, self_check
 from .trace.readout import Readout
 
@@ -100,8 +101,6 @@ def layout_of(batches: Sequence, groups: Sequence[Sequence[int]], tokenizer=None
 def by_position(attr: Attribution, layout: Layout):
     """The ``PositionAttribution`` of ``attr`` (its rows the sites in the user's order, ``Layout.order``): a column
     masked in every prompt (``target="next"`` at the last position) is left out."""
-    from .present.positions import PositionAttribution
-
     prompts = sorted(set(layout.prompt))
     width = max(layout.column) + 1
     index = torch.full((len(prompts), width), -1, dtype=torch.long)
