@@ -30,8 +30,10 @@ router-scaled inputs, scaled routed and shared parts).
 Adding a family: one ``Family`` entry in the right group file (``dense.py``, ``experts.py`` or ``hybrid.py``;
 shapes shared by several entries are in ``shapes.py``) and one tiny model in ``dla_recipes.testing.tiny``; the
 test suite then checks it for exactness against the model's own logits at every granularity, and checks that a
-family declared ``padding_safe`` really is (its padded batch's logits against each prompt alone). A model type that
-no entry can describe exactly yet goes in ``REFUSED`` (``table.py``) with the reason, which ``family_of`` raises.
+family declared ``padding_safe`` really is (its padded batch's logits against each prompt alone). A model that runs
+a long sequence chunk by chunk (xLSTM) names the config value of its limit in ``single_pass``: a longer batch is
+refused, since no trace reads one pass of its blocks. A model type that no entry can describe exactly yet goes in
+``REFUSED`` (``table.py``) with the reason, which ``family_of`` raises.
 The docs page "Family table" is generated from this package (``notebooks/families_table.py``).
 
 Modules: ``schema.py`` (the dataclasses: ``Term`` and its records ``Write``, ``Stream``, ``Heads``, ``Neurons``,

@@ -156,6 +156,8 @@ HYBRID: tuple[Family, ...] = (
         Term("mlp", "mlp.output", Neurons("mlp.proj_down"), reads="norm_ffn"),
     )),), rename={"attn_name": "mlstm_layer", "model_name": "backbone", "ln_final_name": "out_norm"},
         load_kwargs={"check_renaming": False}, padding_safe=False, softcap="output_logit_soft_cap",
+        single_pass="max_inference_chunksize",
         notes="mLSTM mixer (block level) and a gated MLP per block; logits soft-capped; recurrent state: "
-              "padding-unsafe (measured: a padded prompt's logits move)."),
+              "padding-unsafe (measured: a padded prompt's logits move); a batch longer than "
+              "max_inference_chunksize runs chunk by chunk through a cache (bfloat16 without use_cache): refused."),
 )

@@ -319,6 +319,8 @@ class Family:
     collapse_weights: Callable | None = None
     padding_safe: bool = True  # left padding leaves a prompt's logits unchanged (False: recurrent state reads pads)
     logits_to_keep: bool = True  # the head may run on the attributed positions only (False: the layers change too)
+    single_pass: str | None = None  # config value: the longest sequence the model runs in one pass; a longer batch
+    # runs chunk by chunk, each block once per chunk (xLSTM's max_inference_chunksize), and is refused
     rename: dict = field(default_factory=dict)  # RenameConfig fields nnterp needs to load the family
     load_kwargs: dict = field(default_factory=dict)  # other StandardizedTransformer keyword arguments
     notes: str = ""

@@ -63,6 +63,15 @@ def config_value(config, name):
     return float(value[int(index.rstrip("]"))] if index else value)
 
 
+def head_scalar(config, name: str | None) -> float:
+    """A final-head scale the family table names (``logits_times``, ``logits_over``, ``head_input_over``), as a float:
+    1.0 when the entry names none or the config holds ``None`` there. A ``None`` scale is one the model does not
+    apply (CohereCompass's ``logit_scale`` defaults to ``None``, which its head reads as 1.0); a model that fails on
+    it fails in its own forward, and one that read it as anything else would be caught by the self-check."""
+    value = getattr(config, name) if name is not None else None
+    return 1.0 if value is None else float(value)
+
+
 def _linear_shape(module: torch.nn.Module) -> tuple[int, int, bool]:
     """``(in_features, out_features, transposed)`` of an ``nn.Linear`` or a GPT-2 ``Conv1D``."""
     weight = getattr(module, "weight", None)
@@ -191,11 +200,7 @@ def plan_for(model, family: Family) -> Plan:
                             scalar(getattr(split, "projection_multiplier", None), config, i), kind_of(term))
             )
         layers.append(tuple(planned))
-    logit_scale = 1.0
-    if family.logits_times is not None:
-        logit_scale *= float(getattr(config, family.logits_times))
-    if family.logits_over is not None:
-        logit_scale /= float(getattr(config, family.logits_over))
+    logit_scale = head_scalar(config, family.logits_times) / head_scalar(config, family.logits_over)
     softcap = float(getattr(config, family.softcap)) if family.softcap and getattr(config, family.softcap, None) else None
-    head_input_scale = 1.0 / float(getattr(config, family.head_input_over)) if family.head_input_over else 1.0
+    head_input_scale = 1.0 / head_scalar(config, family.head_input_over)
     return Plan(family, tuple(layers), logit_scale, softcap, num_heads, head_input_scale)

@@ -4,9 +4,10 @@
 positions computed here are the positions the model sees; ``prepare_encoding`` does the same for a batch already
 tokenized (the one nnsight assembled from a trace's invokes). Everything that depends on the model's vocabulary or
 its prompts' lengths is checked here with an ``InputError``: a target that is several tokens or not in the
-vocabulary, a position outside a prompt, a prompt longer than the model's positions. Every bad target and contrast
-of a call is named in one error, with its prompt's index (``resolve_all``); a word given without the leading space
-the model most likely predicts is attributed as given, with a warning (``space_warning``).
+vocabulary, a position outside a prompt, a prompt longer than the model's positions, a batch longer than the model
+runs in one pass (``check_single_pass``). Every bad target and contrast of a call is named in one error, with its
+prompt's index (``resolve_all``); a word given without the leading space the model most likely predicts is
+attributed as given, with a warning (``space_warning``).
 
 Which prompts share a forward pass (``group_prompts``): on most families left padding leaves a prompt's logits
 unchanged, so prompts are batched in the user's order, ``batch_size`` at a time. On a family with
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..args import as_index, check_position, check_prompts, check_text, per_prompt
-from ..errors import InputError
-from ..families import text_config
+from ..errors import InputError, UnknownFamilyError
+from ..families import family_of, text_config
 from ..trace.targets import LinearTarget
 from .sites import place, targets_of, token_problems, which
 
@@ -223,6 +224,25 @@ def check_length(model, lengths: Sequence[int], rows: Sequence[int] | None = Non
             )
 
 
+def check_single_pass(model, seq: int, rows: Sequence[int]) -> None:
+    """Refuse a forward pass of ``seq`` tokens (the padded batch of the prompts ``rows``) longer than the family's
+    ``single_pass`` config value, past which the model runs it chunk by chunk (xLSTM's ``max_inference_chunksize``)."""
+    config = text_config(model)
+    try:
+        name = family_of(config).single_pass
+    except UnknownFamilyError:  # no entry: the plan refuses the model with its own error
+        return
+    limit = getattr(config, name, None) if name else None
+    if isinstance(limit, int) and seq > limit:
+        raise InputError(
+            f"prompt(s) {', '.join(map(str, rows))} run {seq} tokens, more than the {limit} (config {name}) this model "
+            "runs in one pass: beyond it the model runs its blocks chunk by chunk, each block once per chunk, with the "
+            "recurrent state carried between chunks (in a bfloat16 cache unless use_cache is on), so no trace reads "
+            "one pass of each block and its logits are not the one-pass forward's; shorten the prompts to at most "
+            f"{limit} tokens or raise config.{name}"
+        )
+
+
 def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[int] | None = None) -> Batch:
     """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens
     (``args.check_position``: an int, a list, a slice, ``"all"``); ``prompts`` are texts or token ids
@@ -270,6 +290,7 @@ def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, 
     lengths = mask.sum(-1).tolist()
     rows = list(rows) if rows is not None else list(range(len(lengths)))
     check_length(model, lengths, rows)
+    check_single_pass(model, int(ids.shape[1]), rows)
     for i, prompt, length in zip(rows, prompts, lengths):
         if length == 0:
             raise InputError(f"prompt {i} ({prompt!r}) is empty: it has no tokens to attribute")

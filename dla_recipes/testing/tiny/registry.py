@@ -137,7 +137,8 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     * constant c -> ``c * (1 + 0.3 * randn)`` (e.g. scalar parameters such as xIELU's ``alpha_p``).
 
     Family specifics: decoder-layer ``layer_scalar`` buffers (Gemma 4) go to ``U[0.5, 1.5]``; DeepSeek-V4 hash
-    routing tables ``tid2eid`` get random expert ids (distinct per row); DeepSeek-V4 hyper-connection biases
+    routing tables ``tid2eid`` get random expert ids (distinct per row, except every third row: one expert in every
+    slot, as an untrained table of zeros has it); DeepSeek-V4 hyper-connection biases
     (``attn_hc.base``, ``ffn_hc.base``, ``hc_head.hc_base``) get ``randn`` so the stream mixing is far from uniform;
     ZAYA ``qk_norm.temp`` (0 makes every key zero) goes to ``1 + 0.3 * randn``.
     """
@@ -156,9 +157,10 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
         seen.add(id(t))
         owner_name, _, leaf = name.rpartition(".")
         owner = modules.get(owner_name, model)
-        if leaf == "tid2eid":  # DeepSeek-V4 hash routing: random distinct experts per token
+        if leaf == "tid2eid":  # DeepSeek-V4 hash routing: random experts per token, every third one repeated
             n_exp = model.config.n_routed_experts
             rows = torch.stack([torch.randperm(n_exp, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])])
+            rows[::3] = rows[::3, :1]  # tokens 0, 3, 6, ...: one expert in every slot (the model adds each slot)
             t.copy_(rows.to(t.dtype))
             continue
         if not t.is_floating_point():

@@ -62,8 +62,10 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "xglm": ("XGLMForCausalLM", dict(ffn_dim=INTER, scale_embedding=True, dropout=0.0)),
     "biogpt": ("BioGptForCausalLM", dict(scale_embedding=True, hidden_dropout_prob=0.0)),
     "cohere2": ("Cohere2ForCausalLM", dict(sliding_window=4, layer_types=_SW, logit_scale=0.3)),
-    "cohere_compass_text": ("CohereCompassForCausalLM", dict(logit_scale=0.3, layer_types=["full_attention"] * LAYERS,
-                                                              rope_parameters={"full_attention": {
+    # logit_scale None (its default: the head applies none), sliding layers with RoPE, a global layer without (NoPE)
+    "cohere_compass_text": ("CohereCompassForCausalLM", dict(logit_scale=None, sliding_window=4, layer_types=_SW,
+                                                              rope_parameters={"full_attention": None,
+                                                                               "sliding_attention": {
                                                                   "rope_type": "default", "rope_theta": 10000.0}})),
     "vaultgemma": ("VaultGemmaForCausalLM", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                                  layer_types=_SW, final_logit_softcapping=SOFTCAP,
@@ -172,9 +174,11 @@ _SHAPED: dict[str, tuple[str, dict]] = {
     "olmo_hybrid": ("OlmoHybridForCausalLM", dict(layer_types=_LINEAR, linear_num_key_heads=2,
                                                   linear_num_value_heads=4, linear_key_head_dim=8,
                                                   linear_value_head_dim=8)),
+    # a batch longer than max_inference_chunksize runs chunk by chunk, through a bfloat16 cache without use_cache
+    # (refused); 16 is above every suite prompt, so the tests can cross it
     "xlstm": ("xLSTMForCausalLM", dict(embedding_dim=HIDDEN, num_blocks=LAYERS, num_heads=HEADS, qk_dim_factor=1.0,
-                                       chunk_size=4,
-                                       mode="inference", output_logit_soft_cap=SOFTCAP)),
+                                       chunk_size=4, mode="inference", output_logit_soft_cap=SOFTCAP,
+                                       max_inference_chunksize=16, use_cache=False)),
 }
 
 

@@ -125,15 +125,19 @@ def score(layer, planned: PlannedTerm, mode: str, reads: ExpertReads, u: torch.T
     neurons = torch.zeros(u.shape[0], count, planned.expert_width, device=down.device)
     biases = torch.zeros(u.shape[0], count, device=down.device)
     for e in torch.unique(index[routed]).tolist():  # only the experts that fired: at most batch * top_k
-        rows, slots = ((index == e) & routed).nonzero(as_tuple=True)  # a token routes to an expert at most once
+        # a token may route to one expert in several slots (DeepSeek-V4's hash routing: a tid2eid row that repeats
+        # an expert): the model adds each slot's output, so each slot's part is added here too, never overwritten
+        rows, slots = ((index == e) & routed).nonzero(as_tuple=True)
+        at_e = (rows, torch.full_like(rows, e))
         weight = weights[rows, slots]  # [rows] this expert's routing weight
         x = hidden[rows, slots] if hidden.dim() == 3 else hidden[rows]
         act = expert_activations(experts, layout, e, count, x)  # [rows, I]
         w_down = expert_weight(experts, layout.down, e, count)
         written = matmul_f32(v[rows], w_down, transpose=layout.down in layout.transposed)  # [rows, I] along v
-        neurons[rows, e] = weight[:, None] * act.to(down.device) * written
+        neurons.index_put_(at_e, weight[:, None] * act.to(down.device) * written, accumulate=True)
         if layout.down_bias is not None:
-            biases[rows, e] = weight * dot(v[rows], module_at(experts, layout.down_bias)[e].float())
+            biases.index_put_(at_e, weight * dot(v[rows], module_at(experts, layout.down_bias)[e].float()),
+                              accumulate=True)
     neurons, biases = neurons.to(u.device), biases.to(u.device)
     if mode == "experts":
         parts, own_rest = [neurons.sum(-1) + biases], 0.0
