@@ -448,6 +448,9 @@ def markdown(result: dict) -> str:
                      for m in scaling["methods"]]
             lines.append(f"- {axis} {entry['values']}: " + "; ".join(parts))
         lines.append("")
+    import positions
+
+    lines += positions.markdown(result.get("positions"), result["spec"])
     if result.get("targets"):
         lines += ["## Targets (reported, not asserted)", "", "| target | where | value | bound | met |",
                   "|---|---|---:|---:|:---:|"]
@@ -476,7 +479,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tl-python", default=str(DEFAULT_TL_PYTHON),
                         help="the TransformerLens venv's python ('' to skip TransformerLens)")
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling")
+                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling,positions")
     parser.add_argument("--parallel-mem", type=int, default=2, help="memory worker processes at a time")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     opts = parser.parse_args(argv)
@@ -528,13 +531,21 @@ def main(argv=None) -> int:
     result["scaling"] = scaling_section(runner, out_dir, opts) if "scaling" not in skip else None
     sections["scaling_timing_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    import positions
+
+    result["positions"] = (positions.section(runner, spec_path, models, repeats=max(1, min(opts.repeats, 5)),
+                                             warmup=opts.warmup, tokens=32 if opts.quick else positions.TOKENS)
+                           if "positions" not in skip else None)
+    sections["positions_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     runner.run_deferred(opts.parallel_mem)
     sections["memory_s"] = time.perf_counter() - t0
     if result["scaling"]:
         result["scaling"]["analysis"] = scaling_analysis(result["scaling"])
     result["local"] = local
     result["derived"] = derive(local)
-    result["targets"] = targets(result["derived"], result["remote"], result["scaling"])
+    result["targets"] = targets(result["derived"], result["remote"], result["scaling"]) + positions.targets(
+        result["positions"])
     result["failures"] = runner.failures
     import nnsight
     import transformers

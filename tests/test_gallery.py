@@ -30,7 +30,7 @@ EXECUTED = [pytest.param(p, id=p.stem, marks=[pytest.mark.server] if RUNNER.need
 def test_the_gallery_has_its_recipes():
     names = {p.stem for p in RECIPES}
     assert {"10_per_block", "20_head_heatmap", "30_top_neurons", "40_dataset_logit_difference", "70_remote_ndif",
-            "80_direction", "90_seed_recipe_by_hand"} <= names, sorted(names)
+            "80_direction", "90_seed_recipe_by_hand", "95_every_position"} <= names, sorted(names)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
@@ -206,3 +206,24 @@ def test_patch_recipe_patches_exactly_the_head_on_real_models(name, monkeypatch,
     ns = run_recipe_on(name, "60_patch_then_attribute", monkeypatch, tmp_path, zero_patch)
     label = f"L{ns['layer']}.H{ns['head']}"
     assert part(ns["patched"], 1, label) == 0.0 != part(ns["unpatched"], 0, label)
+
+
+@pytest.mark.parametrize("name", REAL_MODELS)
+@pytest.mark.real
+@pytest.mark.slow  # a recipe on each real model (each loaded once per session: SmolLM2 ~5 s of CPU, Gemma-3 ~10 s)
+def test_every_position_recipe_matches_a_plain_forward_on_real_models(name, monkeypatch, tmp_path):
+    """Recipe 95's parts at every position sum to the next token's logit of a plain transformers forward of the
+    sentence (the model's own logits, no nnsight), on both real models (Gemma-3 starts with <bos>)."""
+    import torch
+
+    ns = run_recipe_on(name, "95_every_position", monkeypatch, tmp_path)
+    attr, model = ns["attr"], ns["model"]
+    ids = model.tokenizer(ns["sentence"])["input_ids"]
+    with torch.no_grad():
+        logits = model._module(torch.tensor([ids])).logits[0].float()
+    plain = logits[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]  # [n_tokens - 1]
+    assert attr.values.shape[:2] == (1, len(ids) - 1) and bool(attr.mask.all())
+    gap = (attr.values[0].sum(-1) + attr.constant[0] - plain).abs()
+    # measured (float32; SmolLM2 logits 8..37): max gap 1.1e-05 on both models (1.14e-05); ~2x that
+    assert float(gap.max()) <= 2.5e-5, gap.max()
+    assert ns["k"] == len(ids) - 3 and attr.target_tokens[0][ns["k"]] == " Paris"
