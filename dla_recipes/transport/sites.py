@@ -46,7 +46,7 @@ def own_positions(position: Position, length: int) -> list[int | None]:
     if isinstance(position, slice):
         return list(range(length))[position]
     values = (position,) if isinstance(position, int) else position
-    return [p + length if p < 0 else p if 0 <= p + (length if p < 0 else 0) < length else None for p in values]
+    return [(p + length if p < 0 else p) if -length <= p < length else None for p in values]
 
 
 def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids: Sequence[Sequence[int]],
@@ -105,7 +105,8 @@ def per_site(value, placed: Placed, n_prompts: int, role: str, columns_given: in
             value = value.item() if isinstance(value, torch.Tensor) else value
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):  # [prompts, positions]
-            if len(value) != n_prompts or any(len(v) != columns_given for v in value):
+            # a batch of a larger call may have fewer columns than the call (api.check_grid checks the call's)
+            if len(value) != n_prompts or any(len(v) < columns_given for v in value):
                 raise InputError(
                     f"{role} is a grid of {len(value)} x {[len(v) for v in value][:4]}: a {role} per prompt and position "
                     f"is [batch, n_positions] = [{n_prompts}, {columns_given}] (the positions as position= lists them)")
