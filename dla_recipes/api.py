@@ -91,9 +91,26 @@ def for_group(value, group: Sequence[int], n: int):
     of ``n``), else ``value`` itself (one for all: a token, a weighted set, ``"next"``, ``"mean"``)."""
     if isinstance(value, (str, dict)) or value is None:
         return value
-    if (isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) >= 1) and len(value) == n:
+    if isinstance(value, (list, tuple)) and len(value) == n:
         return [value[i] for i in group]
+    if getattr(value, "ndim", 0) >= 1 and len(value) == n:  # an array / tensor stays one: [group(, n_positions)]
+        return value[list(group)]
     return value
+
+
+def check_grid(value, batches, role: str) -> None:
+    """A ``role`` given per prompt and position (a nested list, a 2-D tensor or array) has the whole call's
+    ``n_positions`` columns (each batch reads the columns of its own prompts: a batch of shorter prompts fewer)."""
+    if getattr(value, "ndim", 0) == 2:
+        widths = {int(value.shape[1])}
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        widths = {len(v) for v in value}
+    else:
+        return
+    width = max(b.n_columns for b in batches)
+    if widths != {width}:
+        raise InputError(f"{role} is a grid of {len(value)} x {sorted(widths)}: a {role} per prompt and position is "
+                         f"[batch, n_positions] = [{len(value)}, {width}] (the positions as position= lists them)")
 
 
 def check_reduce(reduce) -> None:
@@ -204,6 +221,8 @@ def attribute(
                                 rows=g) for g, b, ids in zip(run_groups, batches, tops.readouts))
     else:
         batches = batches_for(target)
+        check_grid(target, batches, "target")
+    check_grid(contrast, batches, "contrast")
     if sources is not None and by != "source":
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
     split = None
@@ -296,7 +315,7 @@ def attribute_direction(
     directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
     run_groups = groups(model, plan, prompts, batch_size)
     batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g) for g in run_groups)
-    if direction.dim() == 3 and any(direction.shape[1] != b.n_columns for b in batches):
+    if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
         raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
                          f"{max(b.n_columns for b in batches)}: give [batch, n_positions, {width}]")
     calls = []

@@ -181,6 +181,8 @@ def space_warning(model, prompts, tokens, ids, role: str, rows: Sequence[int]) -
     found: dict[tuple[str, int, int], list[int]] = {}
     spaced: dict[str, int | None] = {}
     for i, prompt, token, index in zip(rows, prompts, tokens, ids):
+        if isinstance(token, str) and not isinstance(prompt, str):  # token ids: the text they decode to
+            prompt = tokenizer.decode([int(t) for t in prompt])
         if not isinstance(token, str) or not prompt or prompt[-1].isspace():
             continue
         if token not in spaced:

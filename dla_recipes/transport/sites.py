@@ -106,7 +106,8 @@ def per_site(value, placed: Placed, n_prompts: int, role: str, columns_given: in
             value = value.item() if isinstance(value, torch.Tensor) else value
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):  # [prompts, positions]
-            if len(value) != n_prompts or any(len(v) != columns_given for v in value):
+            # a batch of a larger call may have fewer columns than the call (api.check_grid checks the call's)
+            if len(value) != n_prompts or any(len(v) < columns_given for v in value):
                 raise InputError(
                     f"{role} is a grid of {len(value)} x {[len(v) for v in value][:4]}: a {role} per prompt and position "
                     f"is [batch, n_positions] = [{n_prompts}, {columns_given}] (the positions as position= lists them)")

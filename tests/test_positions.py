@@ -1,0 +1,439 @@
+"""Every position and any linear target in one forward pass (issue 18), against the model's own logits.
+
+``attribute(..., position=[...] | slice | "all")`` attributes every (prompt, position) site of a padded batch in one
+forward pass, to any linear function of the logits (a token minus a contrast, ``contrast="mean"``, a weighted set,
+``target="next"``, ``target=None``: the model's top token, a target per prompt and position). The reference is
+always the model's own output: a plain transformers forward of each prompt alone (``model._module``, no nnsight),
+its logits at every position, undone from the family's soft-cap where it has one (the parts sum to the pre-cap
+logit); for ``intervene=`` the same forward with a torch hook making the same edit. Also: each position's parts are
+a one-position call's, the self-check's bound is per site, every granularity, padding-unsafe families, ``batch_size``,
+``reduce="sum"``, token-id prompts, ``attribute_direction`` per position, remote == local on the loopback server,
+and bad input named.
+"""
+
+from __future__ import annotations
+
+import secrets
+import warnings
+
+import pytest
+import torch
+from conftest import (
+    CONTRAST,
+    PROMPTS,
+    TARGET,
+    eager_model,
+    hooked_output,
+    is_source_refusal,
+    single_threaded,
+    source_marks,
+    tiny_model,
+)
+
+import dla_recipes
+from dla_recipes import InputError, PositionAttribution
+from dla_recipes.plan import build_plan, module_at
+from dla_recipes.testing import tiny
+
+FAMILIES = tiny.FAMILIES
+UNSAFE = [f for f in FAMILIES if not dla_recipes.families.family_of(tiny.config(f)).padding_safe]
+GRANULARITIES = ("block", "head", "neuron", "expert", "source")
+WEIGHTED = {TARGET: 1.0, CONTRAST: -0.5, "w22": 2.0}  # a weighted set: 1 * z[w20] - 0.5 * z[w21] + 2 * z[w22]
+
+# The largest |parts - the model's own| / max(1, |own|) over every site, measured on all 135 tiny families (float32,
+# one thread): a token minus a contrast at every position 1.2e-6 (mamba2), "mean" 9.2e-7, a weighted set 1.6e-6,
+# "next" 9.0e-7, a target per prompt and position 1.6e-6, token-id prompts 1.1e-6, every granularity at two
+# positions 1.1e-6, an ablated head 2.4e-7, batch_size 1.9e-7, reduce="sum" 2.7e-7, attribute_direction 1.9e-6;
+# the model's top token 3.4e-6 (recurrent_gemma: the largest logit sits nearest the soft-cap, where undoing the cap
+# multiplies its float32 rounding most). The tolerance is ~2x the largest.
+TOL = 7e-6
+# |a position's parts - the same position attributed alone (one int position, the prompts that have it)|: values,
+# constant and logit, measured at most 4.8e-7 over the tiny families (0.0 on most: a batch padded differently
+# changes a few reductions' order). ~2x.
+SAME = 1e-6
+
+
+def ids_of(model, prompt) -> list[int]:
+    """A prompt's own token ids, as ``attribute`` tokenizes it (ids given: as given)."""
+    return list(prompt) if not isinstance(prompt, str) else list(model.tokenizer(prompt)["input_ids"])
+
+
+def own_logits(model, prompt) -> torch.Tensor:
+    """``[pos, vocab]`` float64: a plain transformers forward of one unpadded prompt (no nnsight), its logits at
+    every position, the family's soft-cap ``c * tanh(z / c)`` undone (``z = c * atanh(y / c)``: the parts sum to
+    the pre-cap logit; exact up to ``y``'s float32 rounding times ``1 / (1 - (y / c)^2)``, see
+    ``conftest.plain_differences``)."""
+    ids = torch.tensor([ids_of(model, prompt)])
+    with torch.no_grad():
+        y = model._module(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].double()
+    cap = build_plan(model).softcap
+    if cap is not None:
+        assert bool((y.abs() < cap).all()), f"a soft-capped logit at the cap {cap}"
+        y = cap * torch.atanh(y / cap)
+    return y
+
+
+def token_id(model, token) -> int:
+    return int(token) if isinstance(token, int) else model.tokenizer.convert_tokens_to_ids(token)
+
+
+def check_sites(model, attr, prompts, expected, reference, what: str, tol: float = TOL) -> float:
+    """Each site's parts (``values`` summed, plus ``constant``) against ``reference(b, p, z)``, the model's own value
+    at prompt ``b``'s own position ``p`` (``z``: ``own_logits`` of prompt ``b``). ``expected``: each prompt's own
+    positions in column order (the mask and ``positions`` must say exactly these). Masked entries are NaN.
+    Returns the largest relative gap; asserts it is within ``tol`` and within the site's own self-check bound."""
+    assert isinstance(attr, PositionAttribution), (what, type(attr))
+    assert len(attr) == len(prompts) and attr.prompts == tuple(attr.prompts)
+    bound = attr.diagnostics["bound"]
+    assert bound.shape == attr.mask.shape, (what, tuple(bound.shape))
+    worst = 0.0
+    for b, prompt in enumerate(prompts):
+        own = [int(p) for p in attr.positions[b] if p >= 0]
+        assert own == list(expected[b]), (what, b, own, expected[b])
+        assert attr.mask[b].tolist() == [k < len(own) for k in range(attr.n_positions)], (what, b)
+        masked = ~attr.mask[b]
+        assert bool(attr.values[b][masked].isnan().all() and attr.logit[b][masked].isnan().all()), (what, b)
+        assert bool(bound[b][masked].isnan().all() and bound[b][~masked].isfinite().all()), (what, b)
+        z = own_logits(model, prompt)
+        for k, p in enumerate(own):
+            total = float(attr.values[b, k].double().sum() + attr.constant[b, k].double())
+            want = float(reference(b, p, z))
+            gap = abs(total - want)
+            # the self-check's bound is this site's own (its logit's size), and the parts are within it of the model
+            assert gap <= float(bound[b, k]), f"{what}: prompt {b} position {p}: gap {gap:.3g} > bound {bound[b, k]}"
+            worst = max(worst, gap / max(1.0, abs(want)))
+            assert gap <= tol * max(1.0, abs(want)), f"{what}: prompt {b} position {p}: parts {total}, model {want}"
+    return worst
+
+
+def every_position(model, prompts=PROMPTS) -> list[list[int]]:
+    return [list(range(len(ids_of(model, p)))) for p in prompts]
+
+
+def difference(model, target=TARGET, contrast=CONTRAST):
+    t, c = token_id(model, target), token_id(model, contrast)
+    return lambda b, p, z: z[p, t] - z[p, c]
+
+
+# -- every position: the model's own logits ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_position_is_the_models_logit(family):
+    """``position="all"`` over the padded batch (6, 2 and 4 tokens; a padding-unsafe family grouped by length): at
+    every site the parts sum to the plain forward's logit(target) - logit(contrast) at that position, within that
+    site's own self-check bound; masked entries are NaN. Each position is also the one-position call's (the same
+    prompts, ``position=k``) to float rounding: one pass over every site is no different from one pass a site."""
+    model = tiny_model(family)
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all")
+    check_sites(model, attr, PROMPTS, every_position(model), difference(model), family)
+    assert attr.target_tokens[0][0] == TARGET and attr.contrast_tokens[0][0] == CONTRAST
+    for k in range(attr.n_positions):
+        members = [b for b in range(len(PROMPTS)) if attr.mask[b, k]]
+        alone = dla_recipes.attribute(model, [PROMPTS[b] for b in members], TARGET, contrast=CONTRAST, position=k)
+        column = attr.at(k)
+        assert column.labels == alone.labels and column.values.shape == alone.values.shape
+        for name in ("values", "constant", "logit"):
+            gap = float((getattr(column, name) - getattr(alone, name)).abs().max())
+            assert gap <= SAME, f"{family}: column {k}'s {name} differs from position={k} alone by {gap:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_linear_targets_are_the_models(family):
+    """Any linear function of the logits, at every position, against the plain forward: ``contrast="mean"``
+    (logit - the mean logit over the vocabulary), a weighted set (sum of w * logit), ``target=None`` (the plain
+    forward's own argmax at each position is the token attributed), ``target="next"`` (each position's next token;
+    the last position left out) and a target per prompt and position (a ``[batch, n_positions]`` tensor)."""
+    model = tiny_model(family)
+    t = token_id(model, TARGET)
+    everywhere = every_position(model)
+
+    mean = dla_recipes.attribute(model, PROMPTS, TARGET, contrast="mean", position="all")
+    check_sites(model, mean, PROMPTS, everywhere, lambda b, p, z: z[p, t] - z[p].mean(), f"{family} mean")
+    assert mean.contrast_tokens[0][0] == "mean"
+
+    ids = {token_id(model, k): w for k, w in WEIGHTED.items()}
+    weighted = dla_recipes.attribute(model, PROMPTS, WEIGHTED, position="all")
+    check_sites(model, weighted, PROMPTS, everywhere, lambda b, p, z: sum(w * z[p, i] for i, w in ids.items()),
+                f"{family} weighted")
+
+    top = dla_recipes.attribute(model, PROMPTS, None, contrast=CONTRAST, position="all")
+    c = token_id(model, CONTRAST)
+    check_sites(model, top, PROMPTS, everywhere, lambda b, p, z: z[p].max() - z[p, c], f"{family} top")
+    for b, prompt in enumerate(PROMPTS):
+        argmax = own_logits(model, prompt).argmax(-1).tolist()
+        assert [model.tokenizer.decode([i]) for i in argmax] == list(top.target_tokens[b][:len(argmax)]), (family, b)
+
+    following = [ids_of(model, p) for p in PROMPTS]
+    nxt = dla_recipes.attribute(model, PROMPTS, "next", position="all")
+    check_sites(model, nxt, PROMPTS, [own[:-1] for own in everywhere],
+                lambda b, p, z: z[p, following[b][p + 1]], f"{family} next")
+
+    grid = torch.randint(0, 60, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(0))
+    per_site = dla_recipes.attribute(model, PROMPTS, grid, contrast=CONTRAST, position="all")
+    check_sites(model, per_site, PROMPTS, everywhere, lambda b, p, z: z[p, grid[b, p]] - z[p, c], f"{family} grid")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_id_prompts_are_the_models(family):
+    """Prompts given as token ids (a list of id lists of different lengths, a tokenizer's padded ``BatchEncoding``,
+    a ``[batch, pos]`` tensor of equal-length prompts, one list of ints) against the plain forward of those ids
+    alone, at every position; the same as the text prompts."""
+    model = tiny_model(family)
+    lists = [ids_of(model, p) for p in PROMPTS]
+    text = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all")
+    as_lists = dla_recipes.attribute(model, lists, TARGET, contrast=CONTRAST, position="all")
+    check_sites(model, as_lists, lists, every_position(model, lists), difference(model), f"{family} id lists")
+    assert torch.equal(as_lists.values.nan_to_num(), text.values.nan_to_num()), family
+
+    encoding = model.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    as_encoding = dla_recipes.attribute(model, encoding, TARGET, contrast=CONTRAST, position="all")
+    check_sites(model, as_encoding, lists, every_position(model, lists), difference(model), f"{family} encoding")
+
+    square = torch.tensor([lists[0], [t + 20 for t in lists[0]]])  # two prompts of 6 tokens: no padding
+    as_tensor = dla_recipes.attribute(model, square, TARGET, contrast=CONTRAST, position=[0, 2, -1])
+    check_sites(model, as_tensor, square.tolist(), [[0, 2, 5]] * 2, difference(model), f"{family} tensor")
+
+    one = dla_recipes.attribute(model, lists[2], TARGET, contrast=CONTRAST, position=slice(1, None))
+    check_sites(model, one, [lists[2]], [[1, 2, 3]], difference(model), f"{family} one id list")
+
+
+def _granularity_cases():
+    for family in FAMILIES:
+        for by in GRANULARITIES:
+            yield pytest.param(family, by, marks=source_marks(family) if by == "source" else ())
+
+
+@pytest.mark.parametrize(("family", "by"), list(_granularity_cases()))
+def test_every_granularity_at_several_positions(family, by):
+    """At ``by`` (block, head, neuron, expert, source), two positions a prompt (its first and its last token, so
+    the two columns sit at different padded positions in each row): every site's parts sum to the plain forward.
+    A model whose experts are not split refuses ``by="expert"``, a model ``by="source"`` cannot split refuses
+    clearly (``conftest.is_source_refusal``): both as at one position."""
+    model = eager_model(family) if by == "source" else tiny_model(family)
+    if by == "expert":
+        try:
+            build_plan(model).require("expert")
+        except InputError:
+            with pytest.raises(InputError, match="by='expert'"):
+                dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position=[0, -1], by="expert")
+            return
+    try:
+        attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position=[0, -1], by=by)
+    except dla_recipes.DLAError as error:
+        if by == "source" and is_source_refusal(error):
+            return
+        raise
+    lengths = [len(ids_of(model, p)) for p in PROMPTS]
+    check_sites(model, attr, PROMPTS, [[0, n - 1] for n in lengths], difference(model), f"{family} by={by}")
+    assert len(set(attr.labels)) == len(attr.labels) == attr.values.shape[-1]
+    if by == "source":  # a source is a token of the prompt's own: none after the site's own position
+        assert any(".S" in label for label in attr.labels), f"{family}: by='source' split no head"
+        for b, n in enumerate(lengths):
+            first = attr.values[b, 0]
+            later = [i for i, label in enumerate(attr.labels) if ".S" in label and int(label.rsplit(".S", 1)[1]) > 0]
+            assert bool((first[later] == 0).all()), f"{family}: position 0 of prompt {b} read a later source"
+
+
+# -- intervene=: an ablated head at every position -------------------------------------------------------------------
+
+EDITED = ["llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "deepseek_v3", "recurrent_gemma"]
+
+
+def _ablate(hs):
+    def ablate(m):
+        hs.site(m).input[hs.index] = 0
+
+    return ablate
+
+
+@pytest.mark.parametrize("family", EDITED)
+def test_ablated_head_is_zero_at_every_position(family):
+    """``intervene=`` zeroing one head's slice of its output projection's input, ``position="all"``: the head's part
+    is exactly 0 at every site (it is not in the clean run), and every site's parts sum to a plain forward of the
+    prompt alone with the same edit made by a torch pre-hook."""
+    model = tiny_model(family)
+    plan = build_plan(model)
+    layer = next(i for i, terms in enumerate(plan.layers) if any(t.term.splits_heads and t.parts for t in terms))
+    hs = dla_recipes.head_slice(model, layer, 1)
+    label = f"L{layer}.H1"
+    clean = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all", by="head")
+    edited = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all", by="head",
+                                   intervene=_ablate(hs))
+    column = edited.labels.index(label)
+    assert bool((edited.values[..., column][edited.mask] == 0).all()), family
+    assert bool((clean.values[..., column][clean.mask] != 0).all()), family
+
+    def zero(_, args):
+        x = args[0].clone()
+        x[hs.index] = 0
+        return (x,) + tuple(args[1:])
+
+    handle = hs.site(model)._module.register_forward_pre_hook(zero)
+    try:
+        check_sites(model, edited, PROMPTS, every_position(model), difference(model), f"{family} ablated")
+    finally:
+        handle.remove()
+
+
+# -- how prompts are batched -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", UNSAFE)
+def test_padding_unsafe_family_gives_each_site_its_own_logit(family):
+    """A family that must not be padded (its prompts grouped by token count), with ``batch_size=2`` and two prompts
+    of one length: every site is the plain forward's of its prompt alone, in the user's order, with no warning."""
+    model = tiny_model(family)
+    prompts = PROMPTS + ["w17 w18"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, position="all", batch_size=2)
+        nxt = dla_recipes.attribute(model, prompts, "next", position=slice(None, -1), batch_size=2)
+    assert attr.prompts == tuple(prompts)
+    check_sites(model, attr, prompts, every_position(model, prompts), difference(model), family)
+    following = [ids_of(model, p) for p in prompts]
+    check_sites(model, nxt, prompts, [own[:-1] for own in every_position(model, prompts)],
+                lambda b, p, z: z[p, following[b][p + 1]], f"{family} next")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "recurrent_gemma"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_batch_size_splits_the_sites(family, batch_size):
+    """``batch_size`` runs the prompts in several forward passes: the table is the one pass's (same mask, positions
+    and labels; values to float rounding) and every site is the plain forward's."""
+    model = tiny_model(family)
+    whole = dla_recipes.attribute(model, PROMPTS, "next", contrast="mean", position="all")
+    split = dla_recipes.attribute(model, PROMPTS, "next", contrast="mean", position="all", batch_size=batch_size)
+    assert torch.equal(split.mask, whole.mask) and torch.equal(split.positions, whole.positions)
+    assert split.labels == whole.labels and split.target_tokens == whole.target_tokens
+    gap = float((split.values - whole.values).nan_to_num().abs().max())
+    assert gap <= SAME, (family, batch_size, gap)
+    following = [ids_of(model, p) for p in PROMPTS]
+    check_sites(model, split, PROMPTS, [own[:-1] for own in every_position(model)],
+                lambda b, p, z: z[p, following[b][p + 1]] - z[p].mean(), f"{family} batch_size={batch_size}")
+    # a target per prompt and position: each batch reads its own prompts' rows and columns of the grid
+    grid = torch.randint(0, 60, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(1))
+    per_site = dla_recipes.attribute(model, PROMPTS, grid, contrast=CONTRAST, position="all", batch_size=batch_size)
+    c = token_id(model, CONTRAST)
+    check_sites(model, per_site, PROMPTS, every_position(model), lambda b, p, z: z[p, grid[b, p]] - z[p, c],
+                f"{family} grid batch_size={batch_size}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral", "recurrent_gemma"])
+def test_reduce_sum_is_the_sum_over_the_span(family):
+    """``reduce="sum"``: one row a prompt whose parts sum to the sum of the plain forward's logits over the span
+    (the log-likelihood-style sum of each next token's logit; a token over a slice, minus the mean)."""
+    model = tiny_model(family)
+    following = [ids_of(model, p) for p in PROMPTS]
+    summed = dla_recipes.attribute(model, PROMPTS, "next", position="all", reduce="sum", by="head")
+    assert isinstance(summed, dla_recipes.Attribution) and summed.values.shape[0] == len(PROMPTS)
+    t = token_id(model, TARGET)
+    span = dla_recipes.attribute(model, PROMPTS, TARGET, contrast="mean", position=slice(1, 3), reduce="sum")
+    for b, prompt in enumerate(PROMPTS):
+        z = own_logits(model, prompt)
+        n = len(following[b])
+        cases = [(summed, sum(z[p, following[b][p + 1]] for p in range(n - 1))),
+                 (span, sum(z[p, t] - z[p].mean() for p in range(1, min(3, n))))]
+        for attr, want in cases:
+            total = float(attr.values[b].double().sum() + attr.constant[b].double())
+            assert abs(total - float(want)) <= TOL * max(1.0, abs(float(want))), (family, b, total, float(want))
+
+
+# -- attribute_direction per position --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("family", "norm"), [("gpt2", "ln_2"), ("llama", "post_attention_layernorm")])
+def test_direction_per_position(family, norm):
+    """``attribute_direction`` with one direction a prompt and position (``[batch, n_positions, d]``) and one for
+    all (``[d]``), ``position="all"``: every site's parts sum to the norm's own output (a forward hook on a plain
+    forward of the prompt alone) at that position, along that site's direction."""
+    model = tiny_model(family)
+    d = int(model.lm_head.weight.shape[-1])
+    directions = torch.randn(len(PROMPTS), 6, d, generator=torch.Generator().manual_seed(0))
+    module = module_at(model.layers[1], norm)._module
+    for given, batch_size in ((directions, None), (directions, 1), (directions[0, 0], None)):
+        attr = dla_recipes.attribute_direction(model, PROMPTS, given, layer=1, sublayer="mlp", position="all",
+                                               batch_size=batch_size)
+        assert attr.read_by.startswith("L1.")
+        for b, prompt in enumerate(PROMPTS):
+            normed = hooked_output(model, module, prompt).double()  # [pos, d]
+            for k in range(len(ids_of(model, prompt))):
+                v = (given[b, k] if given.dim() == 3 else given).double()
+                want = float(normed[k] @ v)
+                total = float(attr.values[b, k].double().sum() + attr.constant[b, k].double())
+                assert abs(total - want) <= TOL * max(1.0, abs(want)), (family, b, k, total, want)
+    with pytest.raises(InputError, match="direction"):
+        dla_recipes.attribute_direction(model, PROMPTS, directions[:, :3], layer=1, position="all")
+
+
+# -- bad input -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"position": []}, r"position"),
+    ({"position": [0, 7]}, r"position.* 7 .*outside"),
+    ({"position": [0, -3]}, r"position -3 is outside prompt 1 \('w11 w12'\), which has 2 tokens: use -2\.\.1"),
+    ({"position": -5}, r"2 prompts are too short for position=-5"),
+    ({"position": slice(9, None)}, r"position"),
+    ({"position": "every"}, r"position"),
+    ({"prompts": ["w5 w6", "w7"], "target": "next", "position": "all"}, r"target='next'.*prompt 1"),
+    ({"target": {TARGET: "1"}}, r"target.*weight"),
+    ({"target": {TARGET: float("nan")}}, r"target.*weight"),
+    ({"target": {}}, r"target"),
+    ({"contrast": {CONTRAST: None}}, r"contrast.*weight"),
+    ({"target": [[TARGET] * 2] * 3, "position": "all"}, r"target.*\[batch, n_positions\]"),
+    ({"contrast": torch.zeros(3, 7, dtype=torch.long), "position": "all"}, r"contrast.*\[batch, n_positions\] = \[3, 6\]"),
+    ({"reduce": "mean", "position": "all"}, r"reduce"),
+    ({"prompts": [[5, 6], [7, 10_000]]}, r"prompt 1.*token ids outside"),
+])
+def test_bad_input_names_the_argument(kwargs, match):
+    """Each bad argument is an ``InputError`` naming it (and the prompt or position at fault), before any forward."""
+    model = tiny_model("llama")
+    call = {"prompts": PROMPTS, "target": TARGET, "position": [0, -1]} | kwargs
+    with pytest.raises(InputError, match=match):
+        dla_recipes.attribute(model, call.pop("prompts"), call.pop("target"), **call)
+
+
+# -- remote == local on the loopback NDIF server ---------------------------------------------------------------------
+
+SERVED = ["llama", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dla_recipes.testing.loopback import LoopbackServer
+
+    root = tmp_path_factory.mktemp("served_positions")
+    folders = {}
+    for family in SERVED:
+        folder = root / family
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        folders[family] = str(folder)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+        yield running
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("family", SERVED)
+@pytest.mark.parametrize(("target", "contrast", "by"), [(TARGET, CONTRAST, "head"), ("next", "mean", "neuron"),
+                                                        (None, None, "block")])
+def test_remote_equals_local(server, family, target, contrast, by):
+    """Every position on the loopback server (the recipe travels by value; ``target=None`` runs its extra forward
+    pass there too) equals the local run bit for bit, both single-threaded; and the local run is the plain
+    forward's."""
+    remote_model, local_model = server.remote_model(family), server.local_model(family)
+    with server.client():
+        remote = dla_recipes.attribute(remote_model, PROMPTS, target, contrast=contrast, position="all", by=by,
+                                       remote=True)
+    with single_threaded():
+        local = dla_recipes.attribute(local_model, PROMPTS, target, contrast=contrast, position="all", by=by)
+    assert remote.labels == local.labels and torch.equal(remote.mask, local.mask)
+    assert remote.target_tokens == local.target_tokens
+    assert torch.equal(remote.values.nan_to_num(), local.values.nan_to_num())
+    assert torch.equal(remote.constant.nan_to_num(), local.constant.nan_to_num())
+    # the model's own logit: lm_head on a strided input, its last bit may differ between two processes (test_remote)
+    torch.testing.assert_close(remote.logit.nan_to_num(), local.logit.nan_to_num(), atol=2e-7, rtol=1e-6)
+    assert all(p.device.type == "meta" for p in remote_model._module.parameters())
+    if target == TARGET:
+        check_sites(local_model, local, PROMPTS, every_position(local_model), difference(local_model), family)
