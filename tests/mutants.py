@@ -72,12 +72,13 @@ def negate_term(name: str):
 
 
 def one_position_earlier(original):
-    """Wrap a reader called with ``positions`` ``[batch]``: it reads one position earlier (clamped at 0)."""
+    """Wrap a reader called with ``sites`` (``trace.readers.Sites``): it reads one position earlier (clamped at 0)."""
 
     @functools.wraps(original)
     def mutated(*args, **kwargs):
         arguments = bound(original, args, kwargs)
-        arguments.arguments["positions"] = (arguments.arguments["positions"] - 1).clamp(min=0)
+        sites = arguments.arguments["sites"]
+        arguments.arguments["sites"] = sites._replace(positions=(sites.positions - 1).clamp(min=0))
         return original(*arguments.args, **arguments.kwargs)
     return mutated
 
@@ -101,9 +102,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("mlp_negated", "the mlp term's whole score negated (its parts and rest)",
            "dla_recipes.trace.terms:score_term", negate_term("mlp"), ("planned",)),
     Mutant("projection_input_one_earlier", "the output projections' inputs read one position before the attributed "
-           "one", f"{LINEAR}:read", one_position_earlier, ("positions",)),
+           "one", f"{LINEAR}:read", one_position_earlier, ("sites",)),
     Mutant("norms_frozen_one_earlier", "the post-norms (and stream norms) frozen at the position before the "
-           "attributed one", "dla_recipes.trace.terms:frozen_at", one_position_earlier, ("positions",)),
+           "attributed one", "dla_recipes.trace.terms:frozen_at", one_position_earlier, ("sites",)),
 )}
 
 # What every mutant's subprocess runs: the single-part tests on a family of each group, and the sum tests on a few
