@@ -27,6 +27,7 @@ from .result import EDIT_HINT, assemble, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall, TopCall
 from .transport.batches import groups, offsets, plain, prepare, resolve_all
+from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
 
@@ -142,6 +143,7 @@ def attribute(
     intervene=None,
     sources: dict | None = None,
     reduce: str | None = None,
+    blocking: bool = True,
 ):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -169,7 +171,9 @@ def attribute(
             head 5's part read from the prompt's own token 2; needs eager attention, see ``dla_recipes.sources``).
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
-        batch_size: prompts per forward pass (one trace, one remote request each); default: all in one.
+            The batches travel in NDIF sessions, several a request, cut so that none passes NDIF's job time limit
+            (``dla_recipes.transport.session.JOB_LIMIT``).
+        batch_size: prompts per forward pass (one trace each); default: all in one.
         progress: show a progress bar over the batches (default: when there is more than one).
         tolerance: a relative tolerance replacing the self-check's bound (derived from the model's precision)
             by ``tolerance * max(1, |logit|)`` at every position.
@@ -189,6 +193,9 @@ def attribute(
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
         reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
             of the span's logits, exact as each position is).
+        blocking: ``False`` (with ``remote``): submit the jobs and return at once a ``RemoteJob`` handle:
+            ``.status()``, ``.result()`` (waits, returns the attribution), ``.resume()`` (sends again what a
+            restarted or unreachable server lost).
 
     Returns:
         One int position: an ``Attribution`` (``values [batch, n_components]``, ``labels``, ``constant [batch]``,
@@ -197,6 +204,8 @@ def attribute(
     """
     prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
     check_reduce(reduce)
+    if blocking is not True and (blocking is not False or not remote):
+        raise InputError(f"blocking={blocking!r}: blocking=False (a handle to wait on) needs remote=True or a URL")
     model = as_standardized(model)
     plan = build_plan(model)
     plan.require(by)
@@ -241,6 +250,9 @@ def attribute(
     layout = layout_of(batches, run_groups, model.tokenizer)
     request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
                        progress, intervene, sources=split, layout=layout, reduce=reduce)
+    if not blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
+        return RemoteJob(model, plan, batches, calls, remote=remote, intervene=intervene,
+                         finish=lambda readouts: _complete(request, done=readouts))
     try:
         return _complete(request)
     except ExactnessError as error:

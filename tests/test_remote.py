@@ -88,7 +88,9 @@ def test_many_prompts_in_batches_with_progress(server, capsys):
     with server.client():
         chunked = dla_recipes.attribute(model, prompts, TARGET, remote=True, batch_size=2, progress=True)
         whole = dla_recipes.attribute(model, prompts, TARGET, remote=True)
-    assert [r["status"] for r in server.stats()] == ["COMPLETED"] * 4  # three batches, then one request for all six
+    # three batches in two NDIF sessions (the first batch alone measures how long one takes, the other two fit in
+    # one job), then one request for all six
+    assert [r["status"] for r in server.stats()] == ["COMPLETED"] * 3
     torch.testing.assert_close(chunked.values, whole.values, atol=1e-6, rtol=1e-5)
     assert "DLA by block" in capsys.readouterr().err
 
@@ -158,6 +160,25 @@ def test_a_transient_failure_is_retried(server, monkeypatch):
     assert torch.equal(retried.values, clean.values)
 
 
+def one_request_a_batch(monkeypatch, before=None):
+    """One NDIF session a batch (``JobLimit(max_batches=1)``); ``before(batches)`` runs before each is sent.
+    Returns the list of the prompts of each request sent."""
+    from dla_recipes.transport import session
+
+    sent = []
+    real = session.send_session
+
+    def send(model, plan, batches, calls, remote, intervene=None):
+        sent.append(batches[0].prompts)
+        if before is not None:
+            before(len(sent))
+        return real(model, plan, batches, calls, remote, intervene)
+
+    monkeypatch.setattr(session, "JOB_LIMIT", session.JobLimit(max_batches=1))
+    monkeypatch.setattr(session, "send_session", send)
+    return sent
+
+
 def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypatch):
     from dla_recipes import RemoteBatchError
     from dla_recipes.transport import remote as remote_module
@@ -165,16 +186,12 @@ def test_a_failed_request_keeps_the_completed_ones_and_resumes(server, monkeypat
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.01)
     model = server.remote_model("gpt2")
     prompts = [f"w{i} w{i + 1} w{i + 2}" + " w3" * (i % 2) for i in range(6)]
-    sent = []
-    real_run_trace = dla_recipes.transport.run.run_trace
 
-    def run_trace(*args, **kwargs):  # make request 2 of 3 fail for good: three 503s in a row
-        sent.append(args[2].prompts)
-        if len(sent) == 2:
+    def before(count):  # make request 2 of 3 fail for good: three 503s in a row
+        if count == 2:
             server.make_unavailable(remote_module.RETRIES + 1)
-        return real_run_trace(*args, **kwargs)
 
-    monkeypatch.setattr(dla_recipes.transport.run, "run_trace", run_trace)
+    sent = one_request_a_batch(monkeypatch, before)
     with server.client():
         whole = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, remote=True)
         sent.clear()
@@ -200,16 +217,12 @@ def test_a_failure_no_retry_fixes_offers_no_resume(server, monkeypatch):
 
     model = server.remote_model("gpt2")
     prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(6)]
-    sent = []
-    real_run_trace = dla_recipes.transport.run.run_trace
 
-    def run_trace(*args, **kwargs):
-        sent.append(args[2].prompts)
-        if len(sent) == 2:
+    def before(count):
+        if count == 2:
             CONFIG.API.APIKEY = "not-the-key"  # server.client() restores the key after the block
-        return real_run_trace(*args, **kwargs)
 
-    monkeypatch.setattr(dla_recipes.transport.run, "run_trace", run_trace)
+    sent = one_request_a_batch(monkeypatch, before)
     with server.client():
         with pytest.raises(RemoteBatchError, match=r"(?s)request 2 of 3 failed.*refused the API key") as failure:
             dla_recipes.attribute(model, prompts, TARGET, remote=True, batch_size=2)

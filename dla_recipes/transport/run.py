@@ -1,32 +1,22 @@
-"""Running the batches: one trace per batch, locally or as one NDIF request, with retries; no result built here.
+"""Running the batches: one trace per batch locally, NDIF sessions of many remotely, with retries; no result built.
 
 ``run_trace`` runs one batch's in-trace call (``trace.LogitCall`` / ``trace.DirectionCall``) and returns its
-``Readout``; ``run`` runs every batch not done yet, in order, with a progress bar, and stops at the first remote
-request that fails for good, returning what completed (``Ran``): the result stage builds the ``Attribution`` or the
+``Readout`` (locally, or as one NDIF request); ``run`` runs every batch not done yet, in order, with a progress bar:
+remotely in as few sessions as NDIF's job limit allows (``session``), stopping at the first session that fails for
+good and returning what completed (``Ran``): the result stage builds the ``Attribution`` or the
 ``RemoteBatchError`` from it.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import nnsight
 import torch
 
-from ..errors import RemoteError
 from ..trace.readout import Readout
 from .remote import register_for_remote, retry_or_raise
-
-
-@dataclass(frozen=True)
-class Ran:
-    """What ``run`` did: ``readouts`` of the batches that completed, in order (the ``done`` ones first), and the
-    ``RemoteError`` that stopped it (None: every batch completed)."""
-
-    readouts: tuple[Readout, ...]
-    error: RemoteError | None = None
+from .session import Ran, run_sessions, trace_options, unpack
 
 
 def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout:
@@ -44,12 +34,10 @@ def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout
     forward order, so the recipe (which reads every block from the first) cannot share one with an edit at a later
     block, and the edits of the first invoke are made before the second reads the same site.
     """
-    trace_kwargs = {}
+    trace_kwargs = trace_options(model, plan, batch)  # only the attributed positions need logits
     if remote:
         register_for_remote()
         trace_kwargs["remote"] = remote
-    if plan.family.logits_to_keep and keeps_logits(model):  # only the attributed positions need logits
-        trace_kwargs["logits_to_keep"] = int(batch.encoding["input_ids"].shape[1] - batch.positions.min())
     attempt = 0
     while True:  # a transient remote failure is retried a bounded number of times (remote.py)
         try:
@@ -69,22 +57,21 @@ def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout
             if not remote:
                 raise
             attempt = retry_or_raise(error, attempt, remote)
-    return getattr(call, "unpack", Readout.unpack)(packed)
-
-
-def keeps_logits(model) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` (transformers computes the head on those positions only)."""
-    return "logits_to_keep" in inspect.signature(model._module.forward).parameters
+    return unpack(call, packed)
 
 
 def run(model, plan, batches: Sequence, calls: Sequence, *, remote=False, progress: bool | None = None,
         intervene=None, done: tuple = (), desc: str = "DLA") -> Ran:
     """Run ``calls[k]`` on ``batches[k]`` for every batch after the ``done`` readouts, in order.
 
-    A local failure raises as it is; a remote request that still fails after its retries stops the run: the
-    returned ``Ran`` holds the readouts so far and the ``RemoteError``. ``progress``: a progress bar over the
-    batches (default: when there is more than one).
+    Locally one trace a batch, and a failure raises as it is. Remotely the batches travel in NDIF sessions, as few
+    as the job limit allows (``session.run_sessions``), and a session that still fails after its retries stops the
+    run: the returned ``Ran`` holds the readouts so far and the ``RemoteError``. ``progress``: a progress bar over
+    the batches (default: when there is more than one).
     """
+    if remote:
+        return run_sessions(model, plan, batches, calls, remote=remote, progress=progress, intervene=intervene,
+                            done=done, desc=desc)
     todo = list(zip(batches, calls))[len(done):]
     show = progress if progress is not None else len(batches) > 1
     if show:
@@ -93,10 +80,5 @@ def run(model, plan, batches: Sequence, calls: Sequence, *, remote=False, progre
         todo = tqdm(todo, desc=desc, unit="batch", initial=len(done), total=len(batches))
     readouts = list(done)
     for batch, call in todo:
-        try:
-            readouts.append(run_trace(model, plan, batch, call, remote, intervene))
-        except RemoteError as error:
-            if not remote:
-                raise
-            return Ran(tuple(readouts), error)
+        readouts.append(run_trace(model, plan, batch, call, remote, intervene))
     return Ran(tuple(readouts))

@@ -14,11 +14,12 @@ from .protocol import DEFAULT_MAX_REQUEST_BYTES, READY_PREFIX
 
 
 def build_app(served: dict[str, ServedModel], api_key: str, inline_limit: int, port: int,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, min_nnsight_version: str | None = None):
     """The FastAPI app (see ``dla_recipes.testing.loopback.handlers`` for the endpoints)."""
     from fastapi import FastAPI
 
     state = State(served, api_key, inline_limit, port, max_request_bytes)
+    state.min_nnsight_version = min_nnsight_version
     tasks: set[asyncio.Task] = set()
 
     @contextlib.asynccontextmanager

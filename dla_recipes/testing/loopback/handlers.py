@@ -8,7 +8,9 @@ Endpoints (those nnsight 0.8.1's client calls, plus two for tests):
                           JSON frame whose ``data`` is a one-shot download URL.
 - ``POST /request``       multipart ``data`` (the ``RequestModel`` JSON) + ``blob`` (the serialized trace); header
                           ``ndif-api-key``. 401 missing key, 403 wrong key, 404 model not hosted, 413 request larger
-                          than ``max_request_bytes``, 422 bad envelope, else the RECEIVED response. The client shows
+                          than ``max_request_bytes``, 422 bad envelope, 400 a client nnsight older than the
+                          server's ``min_nnsight_version`` (ndif's own ``validate_client_versions``), else the
+                          RECEIVED response. The client shows
                           the ``detail`` as ``RemoteError``. The server mints the request id (a client-sent ``id`` is
                           ignored) and never trusts the client's ``trusted`` / ``api_key`` fields.
 - ``GET /result/{id}``    the result blob (zstd-compressed ``torch.save`` bytes), once; what the client downloads.
@@ -166,6 +168,7 @@ def add_request_endpoints(app: Any, state: State, tasks: set, check_key: Callabl
         request = None
         try:
             check_key(given)
+            check_versions(http_request.headers)
             if state.unavailable > 0:
                 state.unavailable -= 1
                 raise HTTPException(503, "Service Unavailable: the deployment is restarting (a loopback test fault).")
@@ -200,6 +203,15 @@ def add_request_endpoints(app: Any, state: State, tasks: set, check_key: Callabl
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         return Response(body, media_type="application/json")
+
+    def check_versions(headers: Any) -> None:
+        """NDIF's own client gate (``ndif.services.api.versioning``), with ``min_nnsight_version`` as its
+        ``NDIF_MIN_NNSIGHT_VERSION``: 400 for a client whose nnsight (its ``nnsight-version`` header) is older."""
+        if state.min_nnsight_version:
+            from ndif.services.api import versioning
+
+            versioning.MIN_NNSIGHT_VERSION = state.min_nnsight_version
+            versioning.validate_client_versions(headers.get("nnsight-version"), headers.get("python-version"))
 
     def _resolve(model_key: str) -> ServedModel:
         try:

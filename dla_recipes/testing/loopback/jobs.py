@@ -46,20 +46,24 @@ class ServedModel:
 
     KEY_CLASSES = ("nnsight.modeling.transformers.TransformersModel", "nnsight.modeling.language.LanguageModel")
 
-    def __init__(self, name: str, folder: str, autocast: bool = False) -> None:
+    def __init__(self, name: str, folder: str, autocast: bool = False, ndif: bool = False) -> None:
         import torch
         from nnsight.modeling.transformers import TransformersModel
         from transformers import AutoTokenizer
 
         self.name, self.folder = name, folder
+        # ndif: as NDIF's model actor loads a deployment (``HuggingFaceModel.from_model_key(..., dtype="bfloat16")``,
+        # its default dtype; transformers' default attention, sdpa), whatever dtype the folder was saved in
+        loading = {"dtype": "bfloat16", "attn_implementation": "sdpa"} if ndif else {}
         self.model = TransformersModel(
             folder, task="text-generation", tokenizer=AutoTokenizer.from_pretrained(folder), dispatch=True,
-            device_map="auto",
+            device_map="auto", **loading,
         )
         self.model._module.requires_grad_(False)
         self.dtype = next(self.model._module.parameters()).dtype
         # NDIF's bracket (request_dtype) autocasts half-precision models only; here on the CPU, where NDIF's is a no-op
-        self.autocast = autocast and self.dtype in (torch.float16, torch.bfloat16)
+        self.autocast = (autocast or ndif) and self.dtype in (torch.float16, torch.bfloat16)
+        self.attention = getattr(self.model._module.config, "_attn_implementation", None)
         self.model_key = f"{self.KEY_CLASSES[0]}:" + json.dumps(
             {"repo_id": name, "revision": None, "task": "text-generation"}
         )
@@ -117,6 +121,7 @@ class State:
         self.results: dict[str, tuple[bytes, Job]] = {}  # id -> (blob, job) awaiting download
         self.run_lock: asyncio.Lock | None = None
         self.env: dict | None = None
+        self.min_nnsight_version: str | None = None  # NDIF_MIN_NNSIGHT_VERSION: older clients are refused (400)
 
     def remember(self, record: dict) -> None:
         self.records.append(record)

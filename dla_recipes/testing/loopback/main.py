@@ -48,6 +48,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--autocast", action="store_true",
                         help="run each request on a bfloat16 / float16 model inside torch.autocast('cpu', <its "
                              "dtype>), as NDIF runs every request inside torch.autocast('cuda', <its dtype>)")
+    parser.add_argument("--ndif", action="store_true",
+                        help="run as NDIF does: every model loaded in bfloat16 with sdpa attention, every request "
+                             "inside torch.autocast('cpu', bfloat16) (NDIF's torch.autocast('cuda', ...))")
+    parser.add_argument("--min-nnsight-version", default=None,
+                        help="refuse (400) a client whose nnsight is older, with ndif's own check "
+                             "(NDIF_MIN_NNSIGHT_VERSION)")
     parser.add_argument("--blocked-imports", default=",".join(DEFAULT_BLOCKED_IMPORTS),
                         help="comma-separated packages the server refuses to import ('' for none)")
     args = parser.parse_args(argv)
@@ -107,10 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", args.port))  # loopback only, never 0.0.0.0
     port = listener.getsockname()[1]
-    served = {name: ServedModel(name, folder, autocast=args.autocast) for name, folder in args.models.items()}
+    served = {name: ServedModel(name, folder, autocast=args.autocast, ndif=args.ndif)
+              for name, folder in args.models.items()}
     for model in served.values():
-        print(f"serving {model.name} as {model.model_key}", flush=True)
-    app = build_app(served, args.api_key, args.inline_limit, port, args.max_request_bytes)
+        print(f"serving {model.name} as {model.model_key} ({model.dtype}, {model.attention} attention, "
+              f"autocast {'on' if model.autocast else 'off'})", flush=True)
+    app = build_app(served, args.api_key, args.inline_limit, port, args.max_request_bytes, args.min_nnsight_version)
     config = uvicorn.Config(
         app, log_level="warning", ws="websockets-sansio", timeout_graceful_shutdown=2, lifespan="on"
     )

@@ -16,6 +16,14 @@ The server computes single-threaded (``threads=1`` by default); a bit-exact remo
 comparison needs the local forward single-threaded too (``torch.set_num_threads(1)``), since float reductions
 depend on the thread count. ``autocast=True`` runs every request on a bfloat16 / float16 model inside
 ``torch.autocast("cpu", dtype=<the model's dtype>)``, the bracket NDIF puts around every request on CUDA.
+
+``ndif=True`` runs a request the way NDIF does: every model loaded in bfloat16 whatever the folder's dtype
+(NDIF's model actor: ``HuggingFaceModel.from_model_key(..., dtype="bfloat16")``) with sdpa attention, and every
+request inside ``torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)`` (NDIF's ``request_dtype``
+bracket, on the CPU where there is no CUDA); ``local_model`` then loads the same bfloat16 sdpa model, and a local
+run under ``server.bracket()`` reproduces the server's numbers. The default (float32 folders served as saved, no
+bracket) is the fast mode of the tests. ``restart()`` stops the process and starts a fresh one on the same port,
+as a redeployed NDIF forgets its queued and finished jobs.
 """
 
 import contextlib
@@ -31,7 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from .client import nnsight_client, standardized_model
+from .client import load_tokenizer, nnsight_client, standardized_model
 from .protocol import (
     API_KEY_ENV,
     API_KEY_HEADER,
@@ -64,6 +72,9 @@ class LoopbackServer:
         autocast: run each request on a half-precision model inside ``torch.autocast("cpu", dtype=<its dtype>,
             cache_enabled=False)``, as NDIF runs every request inside ``torch.autocast("cuda", ...)``
             (``ndif...modeling.nns.request_dtype``, a no-op without CUDA); float32 models are unaffected, as there.
+        ndif: serve as NDIF does: bfloat16 models, sdpa attention, the autocast bracket (see the module docstring).
+        min_nnsight_version: refuse (400) a client whose nnsight is older, with ndif's own check
+            (``ndif.services.api.versioning``, NDIF's ``NDIF_MIN_NNSIGHT_VERSION``).
     """
 
     def __init__(
@@ -79,6 +90,8 @@ class LoopbackServer:
         threads: int = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         autocast: bool = False,
+        ndif: bool = False,
+        min_nnsight_version: str | None = None,
     ) -> None:
         if not models:
             raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
@@ -97,7 +110,10 @@ class LoopbackServer:
         self.threads = int(threads)
         self.max_request_bytes = int(max_request_bytes)
         self.autocast = bool(autocast)
+        self.ndif = bool(ndif)
+        self.min_nnsight_version = min_nnsight_version
         self.process: subprocess.Popen | None = None
+        self.stopped: subprocess.Popen | None = None  # the last process stop() ended
         self._finalizer = None
         self._log_offset = 0
 
@@ -111,7 +127,9 @@ class LoopbackServer:
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        """The running process's pid (after ``stop()``: the stopped one's)."""
+        process = self.process if self.process is not None else self.stopped
+        return process.pid if process is not None else None
 
     def start(self) -> "LoopbackServer":
         if self.process is not None:
@@ -127,6 +145,8 @@ class LoopbackServer:
         command += ["--inline-limit", str(self.inline_limit), "--blocked-imports", ",".join(self.blocked_imports)]
         command += ["--parent-pid", str(os.getpid()), "--max-request-bytes", str(self.max_request_bytes)]
         command += ["--autocast"] if self.autocast else []
+        command += ["--ndif"] if self.ndif else []
+        command += ["--min-nnsight-version", self.min_nnsight_version] if self.min_nnsight_version else []
         for name, folder in self.models.items():
             command += ["--model", f"{name}={folder}"]
         env = dict(os.environ)
@@ -199,6 +219,13 @@ class LoopbackServer:
         _stop_process(self.process, timeout)
         if self._finalizer is not None:
             self._finalizer.detach()
+        self.stopped = self.process
+        self.process = None
+
+    def restart(self) -> "LoopbackServer":
+        """Stop the server and start a fresh process on the same port: every job it held is forgotten."""
+        self.stop()
+        return self.start()
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -247,8 +274,27 @@ class LoopbackServer:
         return standardized_model(self.folder(name), remote=True, name=name, **kwargs)
 
     def local_model(self, name: str, **kwargs: Any):
-        """The same folder as a local ``StandardizedTransformer`` (weights load on first use), for comparisons."""
+        """The same folder as a local ``StandardizedTransformer`` (weights load on first use), for comparisons;
+        with ``ndif=True`` loaded as the server loads it (bfloat16, sdpa attention): run it under ``bracket()``."""
+        if self.ndif:  # built as the server builds it, then wrapped (nnterp's own bfloat16 load fails on some MoE)
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            import dla_recipes
+
+            built = AutoModelForCausalLM.from_pretrained(self.folder(name), dtype=torch.bfloat16,
+                                                         attn_implementation="sdpa")
+            return dla_recipes.load(built, tokenizer=load_tokenizer(self.folder(name)), **kwargs)
         return standardized_model(self.folder(name), remote=False, **kwargs)
+
+    def bracket(self) -> contextlib.AbstractContextManager:
+        """The autocast region the server runs each request inside (``ndif=True``; ``autocast=True`` on bfloat16
+        models), for a local run to reproduce it: ``torch.autocast("cpu", bfloat16, cache_enabled=False)``."""
+        import torch
+
+        if self.ndif or self.autocast:
+            return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
 
     def client(self, api_key: str | None = ...) -> contextlib.AbstractContextManager:
         """Context manager aiming nnsight's ``remote=True`` at this server (optionally with another ``api_key``)."""

@@ -1,0 +1,165 @@
+"""Remote runs in NDIF sessions: many batches in one request, split so that no job passes NDIF's job time limit.
+
+``attribute(..., remote=..., batch_size=k)`` sends its batches in ``model.session(remote=...)`` blocks: one NDIF
+request (one job) runs the traces of several batches server side, one after the other, and returns their readouts
+together, instead of one request a batch. NDIF stops a job that runs past its execution timeout (an hour on the
+public deployment, ``JobLimit.seconds``), so the batches are cut into sessions the job limit allows:
+
+- ``JobLimit.batch_seconds`` is the estimate of what one batch takes server side. When it is None (the default),
+  the first session of a blocking run holds one batch and its round trip (an overestimate: it includes the
+  transfers and the queue) is taken as the estimate for the sessions after it;
+- each session then holds ``floor(seconds * margin / batch_seconds)`` batches, at least 1, at most ``max_batches``
+  (which also bounds what one request sends and one failure loses).
+
+Set ``session.JOB_LIMIT = JobLimit(...)`` (or pass ``limit=``) to change it; ``JobLimit(max_batches=1)`` sends one
+request a batch. A session is retried as a whole (``remote.retry_or_raise``); one that fails for good stops the
+run with the readouts of the sessions before it (``Ran``), which the caller keeps and can resume from.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import nnsight
+import torch
+
+from ..errors import RemoteError
+from ..trace.readout import Readout
+from .remote import register_for_remote, retry_or_raise
+from .versions import check_versions
+
+
+@dataclass(frozen=True)
+class JobLimit:
+    """How remote batches are grouped into NDIF jobs (see the module docstring).
+
+    Attributes:
+        seconds: the server's job time limit (NDIF's execution timeout: 3600 s).
+        margin: the fraction of ``seconds`` a job is planned to use (the estimate is rough).
+        batch_seconds: the estimated server time of one batch; None: measured by a first one-batch session
+            (blocking runs), or ``assumed_batch_seconds`` (``blocking=False``, which cannot measure before it sends).
+        max_batches: the most batches in one job.
+        assumed_batch_seconds: the estimate when nothing measured it.
+    """
+
+    seconds: float = 3600.0
+    margin: float = 0.5
+    batch_seconds: float | None = None
+    max_batches: int = 128
+    assumed_batch_seconds: float = 30.0
+
+    def per_job(self, batch_seconds: float | None = None) -> int:
+        """Batches in one job, for an estimate of ``batch_seconds`` a batch (default: this limit's own)."""
+        estimate = batch_seconds if batch_seconds is not None else self.batch_seconds
+        estimate = self.assumed_batch_seconds if estimate is None else estimate
+        fits = math.floor(self.seconds * self.margin / max(float(estimate), 1e-9))
+        return max(1, min(int(self.max_batches), fits))
+
+
+JOB_LIMIT = JobLimit()
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a run did: ``readouts`` of the batches that completed, in order (the ``done`` ones first), and the
+    ``RemoteError`` that stopped it (None: every batch completed)."""
+
+    readouts: tuple[Readout, ...]
+    error: RemoteError | None = None
+
+
+def keeps_logits(model) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` (transformers computes the head on those positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model._module.forward).parameters
+
+
+def trace_options(model, plan, batch) -> dict:
+    """The keyword arguments of ``batch``'s trace: ``logits_to_keep`` (the head on the attributed positions only)
+    where the family allows it."""
+    if plan.family.logits_to_keep and keeps_logits(model):
+        return {"logits_to_keep": int(batch.encoding["input_ids"].shape[1] - batch.positions.min())}
+    return {}
+
+
+def unpack(call, packed) -> Readout:
+    return getattr(call, "unpack", Readout.unpack)(packed)
+
+
+def session_work(model, plan, batches: Sequence, calls: Sequence) -> list:
+    """What a session body iterates over, one ``(encoding, trace options, call)`` a batch (travels by value)."""
+    return [(dict(b.encoding), trace_options(model, plan, b), c) for b, c in zip(batches, calls)]
+
+
+def send_session(model, plan, batches: Sequence, calls: Sequence, remote, intervene=None) -> list[Readout]:
+    """One NDIF request running ``calls[k]`` on ``batches[k]`` for every k, in one ``model.session(remote=...)``;
+    the readouts, in order. A transient failure is retried, anything else raises a ``RemoteError``."""
+    register_for_remote()
+    work = session_work(model, plan, batches, calls)
+    attempt = 0
+    while True:  # nnsight reads the session's code from this frame: the body stays here, whole
+        try:
+            with torch.no_grad(), model.session(remote=remote):
+                packs = []
+                for encoding, options, call in work:
+                    if intervene is None:
+                        with model.trace(encoding, **options):
+                            packed = call.run(model).pack()
+                    else:
+                        with model.trace(**options) as tracer:
+                            with tracer.invoke(encoding):
+                                intervene(model)
+                            with tracer.invoke():
+                                packed = call.run(model).pack()
+                    packs.append(packed)
+                packs = nnsight.save(packs)
+            break
+        except Exception as error:  # noqa: BLE001 (classified by retry_or_raise: retried, or raised as RemoteError)
+            attempt = retry_or_raise(error, attempt, remote)
+    return [unpack(call, packed) for call, packed in zip(calls, packs)]
+
+
+def chunks(start: int, stop: int, size: int) -> list[range]:
+    """``range(start, stop)`` cut into consecutive ranges of at most ``size``."""
+    return [range(i, min(i + size, stop)) for i in range(start, stop, size)]
+
+
+def run_sessions(model, plan, batches: Sequence, calls: Sequence, *, remote, progress: bool | None = None,
+                 intervene=None, done: tuple = (), desc: str = "DLA", limit: JobLimit | None = None) -> Ran:
+    """Run every batch after the ``done`` readouts on the NDIF server, as few sessions as the job limit allows.
+
+    Stops at the first session that still fails after its retries: the returned ``Ran`` holds the readouts of the
+    sessions before it and the ``RemoteError``.
+    """
+    limit = limit or JOB_LIMIT
+    check_versions(remote)
+    readouts, n = list(done), len(batches)
+    bar = None
+    if (progress if progress is not None else n > 1) and len(done) < n:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc=desc, unit="batch", initial=len(done), total=n)
+    estimate = limit.batch_seconds
+    try:
+        while len(readouts) < n:
+            start = len(readouts)
+            size = 1 if estimate is None and n - start > 1 else limit.per_job(estimate)
+            part = range(start, min(start + size, n))
+            began = time.monotonic()
+            try:
+                readouts += send_session(model, plan, [batches[k] for k in part], [calls[k] for k in part], remote,
+                                         intervene)
+            except RemoteError as error:
+                return Ran(tuple(readouts), error)
+            if estimate is None:  # measured: the round trip of this session, per batch (an overestimate)
+                estimate = (time.monotonic() - began) / len(part)
+            if bar is not None:
+                bar.update(len(part))
+    finally:
+        if bar is not None:
+            bar.close()
+    return Ran(tuple(readouts))
