@@ -179,16 +179,35 @@ def test_an_invoke_written_after_the_call_is_attributed():
         with tracer.invoke():
             model.layers[0].mlp.output[:, -1] *= 1.5
     attr = dla.result()
+    references = scaled_references(model)
+    assert_sums_to(attr, references)
+    assert float((references - torch.tensor(plain_differences(model, PROMPTS))).abs().max()) > 1e-3
+
+
+def scaled_references(model) -> torch.Tensor:
+    """``[batch]``: PROMPTS' logit differences with block 0's MLP output at the last token times 1.5 (a torch
+    forward hook on a plain forward of each prompt alone)."""
 
     def scale(_, args, output):
         output = output.clone()
         output[0, -1] *= 1.5
         return output
 
-    references = torch.tensor([difference(model, forward(model, p, model.layers[0].mlp._module, scale))
-                               for p in PROMPTS])
-    assert_sums_to(attr, references)
-    assert float((references - torch.tensor(plain_differences(model, PROMPTS))).abs().max()) > 1e-3
+    return torch.tensor([difference(model, forward(model, p, model.layers[0].mlp._module, scale)) for p in PROMPTS])
+
+
+def test_two_attributions_in_one_trace_both_read_after_the_edits():
+    """Two ``trace_attribution`` calls in one trace: each waits for the user's blocks at a site, not for the other
+    (which would leave both waiting)."""
+    model = tiny_model("llama")
+    with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke(PROMPTS):
+            model.layers[0].mlp.output[:, -1] *= 1.5
+        heads = dla_recipes.trace_attribution(tracer, TARGET, contrast=CONTRAST, by="head")
+        neurons = dla_recipes.trace_attribution(tracer, TARGET, contrast=CONTRAST, by="neuron")
+    references = scaled_references(model)
+    assert_sums_to(heads.result(), references)
+    assert_sums_to(neurons.result(), references)
 
 
 def test_an_attribution_that_cannot_wait_names_the_site(monkeypatch):

@@ -12,8 +12,10 @@ attribution, written last, reads each site after the user's edits there. Two thi
 
 ``watch`` makes the attribution's worker wait its turn: at each visit of a site, while another worker still waits
 there, the attribution is left waiting, and nnsight serves it again after that worker in the same visit (its
-``Interleaver.handle`` serves a site until no worker waits on it). Where the interleaver is not nnsight's own (a
-server's driver), it cannot wait: it records the site instead (``late``), and ``TracedAttribution.result`` raises.
+``Interleaver.handle``, which its subclasses call, serves a site until no worker waits on it). Where the
+interleaver is not nnsight's, or after ``WAITS`` rounds, it does not wait: it records the site instead (``late``),
+and ``TracedAttribution.result`` raises a ``TraceUsageError`` naming it. Two attributions in one trace do not wait
+for each other.
 
 ``guard_names`` turns the ``NameError`` of a name one invoke uses before another invoke has bound it (the natural
 cross-invoke assignment ``model.layers[3].mlp.output = h``) into a ``TraceUsageError`` saying what works.
@@ -51,12 +53,13 @@ def watch(late: list) -> None:
     ready = getattr(interleaver, "_ready", None)  # the workers waiting at this visit of a site (nnsight 0.8)
     if ready is None:
         return
-    waits = type(interleaver).handle is Interleaver.handle  # nnsight's loop: serves a site until none waits there
+    waits = isinstance(interleaver, Interleaver)  # nnsight's loop (its subclasses call it): serves a site till none waits
     original = mediator.handle
+    mediator.dla_watched = True  # another attribution in the same trace does not wait for this one (nor it for it)
     rounds: dict = {}
 
     def handle(provider: str, value):
-        others = [m for m in ready(provider) if m is not mediator]
+        others = [m for m in ready(provider) if not getattr(m, "dla_watched", False)]
         if others:
             visit = (provider, interleaver.counts.get(provider, 0))
             if waits and rounds.get(visit, 0) < WAITS:
