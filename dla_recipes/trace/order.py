@@ -124,5 +124,5 @@ def cross_invoke_error(name: str, user, owner) -> TraceUsageError:
         f"using `{name}`: `x = site` then `x[:, -1] = {name}[:, -1]`, or `site` alone on a line then "
         f"`site = {name}` (an assignment `site = {name}` evaluates `{name}` before it waits for the site, and reading "
         f"an earlier site first evaluates it there). Or edit both prompts' rows in one invoke. "
-        "See dla_recipes.trace_attribution for the forms that work."
+        "The forms that work: \"Patching across invokes\" in the API reference (docs/api.md)."
     )
