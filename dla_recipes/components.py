@@ -2,7 +2,8 @@
 
 The plan lists them (``Plan.components(by)``), the result carries them (``Attribution.components``), and every view
 of the result (``blocks``, ``heads``, ``grid``, ``sources``, the plots) reads them; the labels (``"L3.H5"``) are
-derived from them, and ``parse_label`` reads one back (for an ``Attribution`` built by hand from labels).
+derived from them, and ``parse_label`` reads one back, ``parse_labels`` a whole attribution's (for an ``Attribution``
+built by hand from labels).
 
 ``Components`` holds a plan's components as runs (one per split term: its heads, its neurons, one head's sources)
 and makes each ``Component`` only when it is read: ``by="neuron"`` on a large model has ~10^5-10^6 columns, and
@@ -168,3 +169,24 @@ def parse_label(label: str) -> Component:
     if expert:
         return Component(layer, "experts", "expert", int(e))
     return Component(layer, term, "edit" if edit else None)
+
+
+def parse_labels(labels: Sequence[str]) -> tuple[Component, ...]:
+    """The components of an attribution's labels, read back in order: ``parse_label`` of each, with each part of
+    experts or neurons given the term of the block label right after its run in the same layer (its rest: ``L3.mlp``
+    after ``L3.E0 .. L3.E3``, ``L3.shared_mlp`` after Granite's shared neurons). Heads are an ``attn`` term's and an
+    edit names its own term, whatever follows; a run with no block label after it in its layer (its term has no
+    rest: ``PlannedTerm.bare``) keeps the term its labels name."""
+    parsed = [parse_label(label) for label in labels]
+    owner = None  # the block label the parts read so far (backwards) sum into
+    for j in reversed(range(len(parsed))):
+        component = parsed[j]
+        if component.part is None:
+            owner = component
+        elif component.part == "edit":
+            owner = Component(component.layer, component.term)
+        elif component.part == "head":
+            owner = None
+        elif owner is not None and owner.layer == component.layer:
+            parsed[j] = component._replace(term=owner.term)
+    return tuple(parsed)

@@ -22,9 +22,24 @@ Where it may be called (anything else raises ``TraceUsageError`` saying what to 
   or edits the model: it then starts its own worker, which nnsight serves after your block at every site, so it
   sees the edits written after it. Not after an edit in the same block: one block reads modules in forward order,
   so a recipe that reads block 0 cannot follow an edit at block 29 in it.
-- Edits within one block follow nnsight's rule (forward order). To edit one row from another (patching), read the
-  site in the invoke that edits it before assigning (``x = module.input`` then ``x[...] = h``), or do it in one
-  invoke over both prompts; an nnsight barrier would let the attribution read the site before the edit.
+- Edits within one block follow nnsight's rule (forward order). The attribution reads each site after every block
+  that edits it, in whatever order they reach it (one released there by a ``tracer.barrier``, an empty invoke of
+  edits written after the call: ``trace.order``).
+
+To patch one prompt from another across invokes, the invoke that reads the value comes first, and the invoke that
+edits waits for the same site before using it (docs/api.md, "Patching across invokes"; each form is checked against
+a plain forward with the same patch as a torch hook in ``tests/test_edits_order.py``):
+
+    with tracer.invoke(corrupt):
+        h = model.layers[1].mlp.output
+    with tracer.invoke(clean):
+        x = model.layers[1].mlp.output                         # wait for the site ...
+        x[:, -1] = h[:, -1]                                    # ... then use h (or: model.layers[1].mlp.output = h)
+
+``model.layers[1].mlp.output = h`` alone evaluates ``h`` before it waits for the site, where the other invoke has
+not bound it yet: a ``TraceUsageError`` says so (so does reading an earlier site first, or the invoke reading ``h``
+written after the one using it). A ``barrier = tracer.barrier(2)`` called after the read in one invoke and before
+the edit in the other works too.
 
 Every row of the batch is attributed (each invoke's prompts, in order), at ``position`` of each row's own tokens,
 with the batch exactly as nnsight assembles it from the invokes (its padding, its positions). Remotely
@@ -35,7 +50,7 @@ with the batch exactly as nnsight assembles it from the invokes (its padding, it
 from __future__ import annotations
 
 import builtins
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import nnsight
@@ -49,6 +64,7 @@ from .plan.build import plan_for
 from .plan.plan import Plan
 from .result import layout_of
 from .selfcheck import model_dtype
+from .trace.order import guard_names, watch
 from .trace.recipe import direct_logit_attribution
 from .transport.batches import prepare_encoding
 
@@ -75,6 +91,8 @@ class TracedAttribution:
             site), None until the trace has run.
         layout, reduce: where each site goes (``result.Layout``) and ``reduce`` (``"sum"`` or None), as in
             ``attribute``.
+        late: ``(site, rows)`` of each site the attribution read before an edit of it (``trace.order.watch``:
+            only where the trace's driver cannot make it wait); ``result()`` then raises.
     """
 
     plan: Plan
@@ -88,6 +106,7 @@ class TracedAttribution:
     packed: torch.Tensor | None = None
     layout: object = None
     reduce: str | None = None
+    late: list = field(default_factory=list)
 
     def result(self):
         """The ``Attribution`` of the traced (edited) forward pass, self-checked: raises ``ExactnessError`` when
@@ -100,6 +119,10 @@ class TracedAttribution:
 
         if self.packed is None:
             raise TraceUsageError("the trace has not run yet: read .result() after the `with model.trace()` block")
+        if self.late:
+            from dla_recipes.trace.order import late_error
+
+            raise late_error(self.late)
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
         readouts = [Readout.unpack(self.packed)]
         try:
@@ -222,9 +245,12 @@ def trace_attribution(
         layout=layout_of([batch], [list(range(len(batch.prompts)))], model.tokenizer), reduce=reduce,
     )
     positions, targets, contrasts, rows = batch.positions, batch.targets, batch.contrasts, batch.rows
+    guard_names(tracer.envoy.interleaver.mediators)  # the user's blocks: a name used before another binds it
+    late = handle.late
     if placement == "first":
 
         def run():
+            watch(late)  # served at each site after every block still waiting there (a barrier's, a later invoke's)
             _check_batch(model, shape)
             handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by,
                                                                   edits=True, rows=rows).pack())
@@ -232,6 +258,7 @@ def trace_attribution(
         _run_alongside(tracer.envoy.interleaver, run)
         return nnsight.save(handle)
     with tracer.invoke():
+        watch(late)
         _check_batch(model, shape)
         packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by, edits=True, rows=rows).pack()
         handle.packed = nnsight.save(packed)

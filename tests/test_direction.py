@@ -43,11 +43,12 @@ def test_parts_sum_to_the_norm_output_along_the_direction(family, sublayer, norm
     for i, prompt in enumerate(PROMPTS):  # the model's own normed stream, captured without nnsight
         expected = float(_hooked_norm_output(model, norm, prompt)[-1] @ v)
         assert float(attr.logit[i]) == pytest.approx(expected, abs=1e-4 * max(1.0, abs(expected)))
-    # only the terms written before the point are attributed
+    # only the terms written before the point are attributed (by term: a split term without a bias has no rest label)
     plan = dla_recipes.plan.build_plan(model)
-    assert f"L{LAYER}.mlp" not in attr.labels and f"L{LAYER - 1}.mlp" in attr.labels
+    written = {(c.layer, c.term) for c in attr.components}
+    assert (LAYER, "mlp") not in written and (LAYER - 1, "mlp") in written
     parallel = plan.layers[LAYER][1].parallel
-    assert (f"L{LAYER}.attn" in attr.labels) == (sublayer == "mlp" and not parallel)
+    assert ((LAYER, "attn") in written) == (sublayer == "mlp" and not parallel)
 
 
 def test_every_row_uses_the_mlp_norm():

@@ -143,6 +143,49 @@ def _experts_shape(family: Family, i: int, layer, term: Term, d_model: int) -> t
     return experts, down.numel() // (experts * d_model)
 
 
+def norm_biased(norm) -> bool:
+    """Whether a norm (an envoy) may add a constant (its output at a zero input: ``probe_norm``'s bias): any
+    parameter or buffer besides its gain ``weight``. An RMSNorm or a LayerNorm without a bias adds none."""
+    module = norm._module
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    return any(name.rsplit(".", 1)[-1] != "weight" for name, _ in named)
+
+
+def rest_biased(layer, term: Term, outer_bias: bool) -> bool:
+    """Whether something besides ``term``'s parts writes into its rest at every split mode (``trace.terms``): a
+    bias of its write or of the stream, of its projection or the map after it (heads, neurons), of its shared
+    expert or its routed projection, or a norm's on its way (its post-norm, its outer norm where ``outer_bias``:
+    the block's first term naming it, the stream norms before and after it)."""
+    write, stream, split = term.write, term.stream, term.split
+    if write.bias is not None or stream.bias is not None:
+        return True
+    if isinstance(split, Routed) and split.projection_bias is not None:
+        return True
+    norms = (write.post_norm, stream.norm, stream.norm_after, write.outer_norm if outer_bias else None)
+    if any(path is not None and norm_biased(module_at(layer, path)) for path in norms):
+        return True
+    linear = (split.projection, split.then) if isinstance(split, (Heads, Neurons)) else ()
+    linear += (split.shared,) if isinstance(split, Experts) else ()
+    return any(path is not None and getattr(module_at(layer, path)._module, "bias", None) is not None
+               for path in linear)
+
+
+def bare_modes(layer, term: Term, outer_bias: bool, last: bool) -> frozenset:
+    """The split modes at which ``term`` has no rest column (``PlannedTerm.bare``): nothing but its parts writes
+    there, and its parts' labels name its block, so an ``Attribution`` read back from labels alone still sums each
+    part into it: heads are an ``attn`` term's (``L3.H5``, also by source); neurons (``L3.N5``) an ``mlp``'s and
+    experts (``L3.E2``) an ``experts``' when the term is the last of its block (``components.parse_labels``). A
+    fused experts' down bias writes into the rest of its neurons (by expert it is in each expert's part)."""
+    if term.split is None or rest_biased(layer, term, outer_bias):
+        return frozenset()
+    if term.splits_heads:
+        return frozenset({"heads", "sources"}) if term.name == "attn" else frozenset()
+    modes = {"mlp": {"neurons"}, "experts": {"experts", "expert_neurons"}}.get(term.name, set()) if last else set()
+    if isinstance(term.split, Experts) and term.split.layout.down_bias is not None:
+        modes.discard("expert_neurons")
+    return frozenset(modes)
+
+
 def plan_for(model, family: Family) -> Plan:
     """``model``'s plan for ``family``, built now (not cached: ``trace_attribution`` builds it server side)."""
     config = text_config(model)
@@ -151,8 +194,9 @@ def plan_for(model, family: Family) -> Plan:
     layers = []
     for i, layer in enumerate(model.layers):
         layer_module = layer._module
-        planned = []
-        for term in layer_terms(family, layer):
+        planned, outer = [], set()
+        terms = layer_terms(family, layer)
+        for k, term in enumerate(terms):
             for path in term.paths():  # every path field of the term and its records
                 if path not in ("output", "input") and not has_path(layer, path):
                     raise FamilyTableError(
@@ -197,8 +241,10 @@ def plan_for(model, family: Family) -> Plan:
             planned.append(
                 PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
                             routed_scale, shared_scale, scalar(term.stream.multiplier, config, i),
-                            scalar(getattr(split, "projection_multiplier", None), config, i), kind_of(term))
+                            scalar(getattr(split, "projection_multiplier", None), config, i), kind_of(term),
+                            bare_modes(layer, term, term.write.outer_norm not in outer, k == len(terms) - 1))
             )
+            outer.add(term.write.outer_norm)
         layers.append(tuple(planned))
     logit_scale = head_scalar(config, family.logits_times) / head_scalar(config, family.logits_over)
     softcap = float(getattr(config, family.softcap)) if family.softcap and getattr(config, family.softcap, None) else None

@@ -68,6 +68,9 @@ class PlannedTerm:
             ``"block"`` (never split), ``"linear"`` (heads / neurons through one projection), ``"conv"`` (the same
             under a position convolution), ``"routed"`` (grouped experts behind a router), ``"experts"`` (a fused
             mixture of experts, recomputed).
+        bare: the split modes (``mode(by)``) at which the term has no rest column: nothing but its parts writes
+            there (no bias on its write, its projections or its norms; ``plan.build.bare_modes``), so the column
+            would be exactly zero, and its parts' labels name its block (``L3.H5`` is ``L3.attn``'s).
     """
 
     term: Term
@@ -84,6 +87,7 @@ class PlannedTerm:
     stream_multiplier: float = 1.0
     projection_multiplier: float = 1.0
     kind: Kind = "block"
+    bare: frozenset = frozenset()
 
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
@@ -100,11 +104,12 @@ class PlannedTerm:
         return None
 
     def components(self, i: int, by: Granularity, sources: Sources | None = None, edits: bool = False) -> list[Run]:
-        """This term's components in block ``i``, as runs; the last is always the term's rest (``part=None``).
+        """This term's components in block ``i``, as runs; the last is the term's rest (``part=None``), if it has one.
 
         ``by="source"``: ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads ``sources``
         splits, ``L3.H5`` for the others. ``edits``: a split term has an ``L3.mlp.edit`` component before its rest
-        (what it wrote beyond its parts and bias: an edit after its projection)."""
+        (what it wrote beyond its parts and bias: an edit after its projection). A split term has no rest at the
+        modes in ``bare`` (its parts and edit are then its last components)."""
         mode, name = self.mode(by), self.term.name
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
@@ -122,7 +127,7 @@ class PlannedTerm:
             parts += [Run(i, name, "neuron", range(self.shared_width), expert="shared")]
         else:
             return [Run(i, name)]
-        return parts + ([Run(i, name, "edit")] if edits else []) + [Run(i, name)]
+        return parts + ([Run(i, name, "edit")] if edits else []) + ([] if mode in self.bare else [Run(i, name)])
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: the result caches its components per plan
@@ -139,7 +144,7 @@ class Plan:
     def components(self, by: Granularity = "block", stop: Stop | None = None,
                    sources: Sources | None = None, edits: bool = False) -> Components:
         """The components in forward order: the embedding, then each block's terms (split at ``by``; a split term
-        keeps a component for its rest). With ``stop``, only the terms written before it; ``sources``: how
+        keeps a component for its rest, unless nothing writes there: ``PlannedTerm.bare``). With ``stop``, only the terms written before it; ``sources``: how
         ``by="source"`` splits the heads; ``edits``: the forward pass may be edited, so each split term has an
         ``.edit`` component. A ``Components`` sequence: each ``Component`` is made when read."""
         check_granularity(by)
@@ -151,7 +156,7 @@ class Plan:
 
     def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> list[str]:
         """The components' labels: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` / ``L3.E2`` /
-        ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest)."""
+        ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest where a bias writes there)."""
         return self.components(by, stop, sources).labels()
 
     def require(self, by: Granularity) -> Granularity:

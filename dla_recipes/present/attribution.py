@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ..components import parse_label
+from ..components import Component, parse_labels
 from ..errors import InputError
 from . import storage
 
@@ -38,7 +38,8 @@ class Attribution:
     Attributes:
         values: ``[batch, n_components]`` float32, in ``labels`` order (forward order).
         labels: ``"embed"``, ``"L0.attn"``, ``"L0.mlp"``, ... and ``"L3.H5"`` / ``"L3.N127"`` at head / neuron
-            granularity (a block label then holds the block's rest: biases, post-norm bias).
+            granularity (a block label then holds the term's rest: biases, post-norm bias; a split term with no bias
+            anywhere has none).
         constant: ``[batch]``: the final norm's bias and ``lm_head``'s bias, read through the head (no component's).
         logit: ``[batch]``: the model's own logit (difference) that the parts sum to: before any soft-cap.
         output_logit: ``[batch]``: the model's output logit (difference): after the soft-cap where the family
@@ -78,7 +79,7 @@ class Attribution:
 
     def __post_init__(self):
         if self.components is None:
-            self.components = tuple(parse_label(label) for label in self.labels)
+            self.components = parse_labels(self.labels)
 
     @property
     def total(self) -> torch.Tensor:
@@ -212,19 +213,17 @@ class Attribution:
     def blocks(self) -> Attribution:
         """The same attribution at block granularity: each head / neuron / expert summed into its block label.
 
-        A split term's parts come right before its block label (which holds the term's rest), so each part is
-        added to the next block label. ``blocks().values`` equals ``attribute(..., by="block").values``.
+        Each component is summed into its term's block (``L3.attn`` for ``L3.H5``, ``L3.attn.edit`` and the term's
+        rest ``L3.attn`` where it has one), in forward order. ``blocks().values`` equals
+        ``attribute(..., by="block").values``.
         """
-        is_block = [component.part is None for component in self.components]
-        keep = [j for j, block in enumerate(is_block) if block]
-        owner = torch.zeros(len(self.labels), dtype=torch.long)
-        target = len(keep)
-        for j in reversed(range(len(self.labels))):
-            target -= is_block[j]
-            owner[j] = target
-        values = torch.zeros(len(self), len(keep)).index_add_(1, owner, self.values)
-        return replace(self, values=values, labels=[self.labels[j] for j in keep], by="block",
-                       components=tuple(self.components[j] for j in keep))
+        keys = [Component(component.layer, component.term) for component in self.components]
+        blocks = list(dict.fromkeys(keys))
+        index = {key: n for n, key in enumerate(blocks)}
+        owner = torch.tensor([index[key] for key in keys], dtype=torch.long)
+        values = torch.zeros(len(self), len(blocks)).index_add_(1, owner, self.values)
+        return replace(self, values=values, labels=[block.label for block in blocks], by="block",
+                       components=tuple(blocks))
 
     def heads(self) -> Attribution:
         """A ``by="source"`` attribution at head granularity: each head's sources summed into ``L3.H5``.

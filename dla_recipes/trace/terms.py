@@ -234,6 +234,8 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)
+        if modes[k] in planned.bare:  # nothing but its parts writes into its rest: no column (Plan.components)
+            score = score[:, :-1]
         before, after = reads[k].stream_norm, reads[k].stream_norm_after
         scores.append((score, reads[k].hyper, before.scale if before is not None else None,
                        (after.scale, after_constant) if after is not None else None))

@@ -7,6 +7,6 @@ from dla_recipes import models, plots
 
 model = dla_recipes.load(models.default_model_path())
 heads = dla_recipes.attribute(model, "The Eiffel Tower is in the city of", " Paris", contrast=" Rome", by="head")
-print(heads)  # L29.H1: block 29, head 1; a block label left over (L29.attn) holds what no head owns (biases)
+print(heads)  # L29.H1: block 29, head 1; a block label (L29.attn) would hold what no head owns: SmolLM2 has no bias
 display(plots.top_table(heads, k=10))
 plots.show(plots.heads_heatmap(heads))
