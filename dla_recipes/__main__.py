@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         remote = _remote(args.remote)
         dtype = _dtype(args.dtype)
         kwargs = {"remote": True} if remote else {"dtype": dtype, "device_map": "cpu"}
-        if args.by == "source":  # the attention pattern is read from eager attention's weights
+        if args.by == "source":  # eager attention returns the pattern it computed (sdpa's is recomputed)
             kwargs["attn_implementation"] = "eager"
         model = dla_recipes.load(_remote_model(args.model) if remote else _resolve_model(args.model), **kwargs)
         attr = dla_recipes.attribute(

@@ -168,7 +168,7 @@ def attribute(
             shorter), computed in the same ONE forward pass.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
             of every routed expert), ``"expert"`` (one component per routed expert) or ``"source"`` (``L3.H5.S2``:
-            head 5's part read from the prompt's own token 2; needs eager attention, see ``dla_recipes.sources``).
+            head 5's part read from the prompt's own token 2; eager or sdpa attention, see ``dla_recipes.sources``).
         remote: ``True`` to run on NDIF (host from nnsight's config / ``NDIF_HOST``, key from ``NDIF_API_KEY``),
             or a server URL such as ``"http://127.0.0.1:PORT"``. The math runs server side; only the result returns.
             The batches travel in NDIF sessions, several a request, cut so that none passes NDIF's job time limit

@@ -191,13 +191,6 @@ def test_kv_shared_layers_refused_but_others_split():
     assert torch.allclose(attr.heads().values, heads.values, atol=1e-6)
 
 
-def test_sdpa_refused_with_the_fix():
-    model = tiny.standardized("llama")  # transformers' default: sdpa, which returns no pattern
-    with pytest.raises(DLAError, match="attn_implementation='eager'") as raised:
-        dla_recipes.attribute(model, PROMPTS, TARGET, by="source")
-    assert is_source_refusal(raised.value)
-
-
 def test_layers_and_top_heads():
     model = eager_model("llama")
     heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
@@ -248,7 +241,7 @@ def test_earlier_position_has_zeros_after_it():
 
 @pytest.mark.server
 def test_remote_equals_local(tmp_path):
-    """On the loopback NDIF server (a deployment loading the folder as it is: eager attention in its config)."""
+    """On the loopback NDIF server, eager attention (sdpa, the default: test_sources_sdpa)."""
     import secrets
 
     from conftest import single_threaded
@@ -262,8 +255,6 @@ def test_remote_equals_local(tmp_path):
         tiny.tokenizer().save_pretrained(folder)
         folders[family] = str(folder)
     with LoopbackServer(folders, api_key=secrets.token_hex(16)) as server:
-        with server.client(), pytest.raises(DLAError, match="attn_implementation='eager'"):  # the default: sdpa
-            dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, by="source", remote=True)
         for family in folders:
             # nnsight sends the client model's attention implementation with the request; the server switches to it
             remote_model = server.remote_model(family, attn_implementation="eager")

@@ -126,7 +126,8 @@ class Heads:
             or ``[batch, pos, kv_heads, head_dim]``: the value projection's output (bias included), or the value
             norm's output where the family normalises values (Gemma-4's ``v_norm``). Query head ``h`` reads group
             ``h // (heads / kv_heads)`` (GQA / MQA). The attention pattern is the second element of the output of the
-            module that owns ``projection`` (``self_attn``) under eager attention. ``by="source"`` needs it; None:
+            module that owns ``projection`` (``self_attn``) under eager attention, else recomputed from that module's
+            attention call (``trace.kinds.pattern``). ``by="source"`` needs it; None:
             this term cannot be split by source position (latent attention, ...). Checked by ``plan.sources`` when
             ``by="source"`` needs it, not when the plan is built.
         values_layout: where the values sit in a fused projection's output: ``"qkv"`` (queries, keys, values

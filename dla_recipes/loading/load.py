@@ -83,8 +83,8 @@ def load(model, tokenizer=None, **kwargs):
             a hub id while the hub is offline (nnsight names a remote model by asking the hub for its id).
         tokenizer: a tokenizer object, or a hub id / folder to load one from; default: the model's own.
         **kwargs: passed to ``StandardizedTransformer`` (e.g. ``dtype``, ``device_map``, ``remote=True`` to build
-            the model without weights for NDIF; ``attn_implementation="eager"`` for ``by="source"``, also on an
-            already-built model). The family table's loading needs (a ``RenameConfig`` for Phi,
+            the model without weights for NDIF; ``attn_implementation="eager"`` or ``"sdpa"``, also on an
+            already-built model: ``by="source"`` reads eager's own pattern and recomputes sdpa's). The family table's loading needs (a ``RenameConfig`` for Phi,
             RecurrentGemma, Zamba2; ``allow_multimodal``; ``check_renaming``) are filled in unless given.
     """
     from nnterp import StandardizedTransformer

@@ -3,26 +3,30 @@
 A head's write at position ``p`` is ``z_h[p] = sum_s A_h[p, s] v_h[s]``, linear in the values once the attention
 pattern ``A`` the model computed is read, so its part splits exactly over source positions ``s`` (the in-trace
 math is ``trace.kinds.sources``). This module decides, before any forward pass, whether the model can be split
-(its attention must return the pattern: eager attention; its family must say where the values are read,
-``Heads.values`` and ``Heads.values_layout``) and which heads are split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error
-otherwise.
+(its family must say where the values are read, ``Heads.values`` and ``Heads.values_layout``) and which heads are
+split (``sources=dict(layers=[...], top_heads=k)``), and raises a clear error otherwise.
 
-How the pattern is read, per family: the model's own attention weights, the second output of the attention
-module, which transformers returns under ``attn_implementation="eager"`` (after soft-capping, sliding-window and
-padding masks, and without the sink column of attention-sink families, whose rows sum to less than 1: the missing
-mass belongs to no source). sdpa / flash attention return no pattern, so they are refused with a ``DLAError``
-saying how to load the model; no pattern is recomputed. Where the values are read (``Heads.values``):
+How the pattern is read, per attention implementation: under eager, the model's own attention weights, the second
+output of the attention module (after soft-capping, sliding-window and padding masks, and without the sink column
+of attention-sink families, whose rows sum to less than 1: the missing mass belongs to no source). Under sdpa (or
+any implementation that returns no weights), recomputed inside the trace at the attributed sites from the attention
+module's own ``attention_interface(...)`` call, read through nnsight's ``.source``: its query and key (after rotary
+embeddings, q/k norms and query scales), scaling, soft-cap, sinks and mask, as ``eager_attention_forward`` combines
+them (``trace.kinds.pattern``); a module without that call, or with inputs it does not expect, is refused with a
+``DLAError``. Families whose attention is their own code (BLOOM) return their pattern whatever
+``attn_implementation`` says. Where the values are read (``Heads.values``):
 
 - ``v_proj``'s output: Llama, Mistral, Qwen2/3, Gemma 1/2/3, OLMo 1/2/3, SmolLM3, Apertus, GPT-J, Mixtral, Qwen2-MoE,
   OLMoE, GLM-4, EXAONE-4, Granite, Cohere, OPT, Phi, Doge; Gemma-4: ``v_norm``'s output (its KV-shared layers are
   refused: split the others with ``sources=dict(layers=[...])``);
 - a fused projection's output: GPT-2, Phi-3 (``values_layout="qkv"``), GPT-NeoX, BLOOM (``"per_head_qkv"``);
-- refused: Falcon (cannot switch to eager), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention), ZAYA,
-  RecurrentGemma (sdpa only), Zamba2 (no heads).
+- refused: Falcon (its own fused attention code), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention),
+  ZAYA, RecurrentGemma (no value tensor in the family table), Zamba2 (no heads).
 
-Each split block's heads are rebuilt from the pattern and values in the trace, ``sum_s A v`` against the output
-projection's real input; the largest relative gap is reported with the norm fit errors
-(``attr.diagnostics["norm_fit_error"]``), and a gap shows in the self-check.
+Each split block's heads are rebuilt from the pattern (read or recomputed) and values in the trace, ``sum_s A v``
+against the output projection's real input; the largest relative gap is reported with the norm fit errors
+(``attr.diagnostics["norm_fit_error"]``), and a gap past its tolerance is refused by the self-check, so a wrong
+recomputation raises instead of answering.
 """
 
 from __future__ import annotations
@@ -45,9 +49,8 @@ def attention_implementation(model) -> str | None:
 def check(model, plan: Plan, layers: Sequence[int]) -> None:
     """Raise a ``DLAError`` unless every split layer's attention can be split by source position.
 
-    Remotely nnsight 0.8 sends the client model's attention implementation with each request and the server
-    switches to it, so a remote model is loaded with ``attn_implementation="eager"`` too; a server that runs
-    another one anyway is caught in the trace (a ``RemoteError`` with the same advice)."""
+    Any attention implementation passes here: eager's pattern is read, another's recomputed in the trace
+    (``trace.kinds.pattern``, which refuses a module it cannot read)."""
     if not layers:
         raise DLAError(f"family {plan.family.name!r}: this model has no attention heads to split by source")
     for i in layers:
@@ -75,12 +78,6 @@ def check(model, plan: Plan, layers: Sequence[int]) -> None:
                     "it reuses another block's keys and values); split other layers with "
                     "sources=dict(layers=[...])"
                 )
-    impl = attention_implementation(model)
-    if impl is not None and impl != "eager":
-        raise DLAError(
-            f"by='source' reads the attention pattern the model computed, and {impl!r} attention does not return it. "
-            "Load the model with dla_recipes.load(..., attn_implementation='eager')"
-        )
 
 
 def head_layers(plan: Plan) -> list[int]:

@@ -49,6 +49,7 @@ from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
 from .kinds.sources import SourceSplit
+from .kinds.sources import prepare as prepare_sources
 from .readers import Sites, at, layer_input, layer_output, read_site
 from .readout import Readout
 from .targets import LinearTarget, as_target
@@ -100,6 +101,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
     """
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
+    if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
+        prepare_sources(model, plan, sources)
     fit_errors: list[float] = []
     stream = layer_input(model, 0)  # [batch, pos, d_model]: the batch's size is its first
     sites = Sites(torch.arange(positions.shape[0]) if rows is None else rows, positions, int(stream.shape[0]))

@@ -1,7 +1,8 @@
 """Heads split by source position (``by="source"``): a linear heads term read through its attention pattern.
 
 Head ``h`` writes ``sum_s A[h, s] v[s]`` through the output projection, linear in the values once the pattern ``A``
-the model computed is read (the attention module's second output under eager attention), so its part along the
+the model computed is read (the attention module's second output under eager attention; under sdpa or any other
+implementation, recomputed at the sites from its attention call's query, key and mask: ``pattern``), so its part along the
 pulled-back direction splits exactly into ``A[h, s] * (v[s] . pulled_h)``. Each split block's heads are rebuilt
 from the pattern and the values, ``sum_s A v``, against the output projection's real input (``pattern_error``).
 Which heads are split, and whether the model can be, is decided before the trace (``plan.sources``).
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import DLAError
-from ...math.linalg import exact
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm, Sources
 from ..readers import Sites, at, read_site
+from . import pattern
 from .linear import pull_back
+from .pattern import per_prompt
 
 
 @dataclass(frozen=True)
@@ -54,25 +56,46 @@ class SourceReads:
     rows: torch.Tensor | None = None
 
 
+def prepare(model, plan, sources: Sources) -> None:
+    """Before the forward reaches them: source-instrument (nnsight's ``.source``) the attention module of every block
+    with heads split by source whose attention returns no pattern, so its attention call's inputs can be read
+    (``pattern.recompute``; a module already running when ``.source`` is first used would be read too late), and
+    refuse a module without exactly one attention call (``pattern.attention_call``)."""
+    for i, terms in enumerate(plan.layers):
+        for planned in terms:
+            if planned.mode("source") != "sources" or not any(sources.split_heads(i, planned.parts)):
+                continue
+            attention = module_at(model.layers[i], planned.term.split.projection.rsplit(".", 1)[0])
+            if not pattern.returns_weights(attention):
+                pattern.attention_call(attention, pattern.family_of(attention))
+
+
 def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
-    """Read the values, the heads and the pattern; rebuild the heads from them (``SourceReads.pattern_error``)."""
+    """Read the values, the pattern and the heads, in forward order; rebuild the heads from pattern and values
+    (``SourceReads.pattern_error``). The pattern is the attention module's own weights where it returns them
+    (eager), else recomputed from its attention call's inputs (``pattern.recompute``: sdpa, flash, ...)."""
     heads, batch, rows, positions = planned.term.split, sites.batch, sites.rows, sites.positions
     values = read_site(layer, heads.values, batch).float()  # every position of every prompt
+    attention = module_at(layer, heads.projection.rsplit(".", 1)[0])
+    recomputed = None if pattern.returns_weights(attention) else pattern.recompute(
+        attention, planned.parts, rows, positions)  # the attention call: before the output projection
     inputs = at(read_site(module_at(layer, heads.projection), "input", batch), sites).flatten(1)
-    attention = module_at(layer, heads.projection.rsplit(".", 1)[0]).output
-    weights = attention[1] if isinstance(attention, tuple) and len(attention) > 1 else None
-    if weights is None:
-        raise DLAError(
-            f"by='source' needs the attention pattern, and this model's attention ({heads.projection}'s module) "
-            "returns none: its attention implementation is not eager. Load the model with "
-            "dla_recipes.load(..., attn_implementation='eager')"
-        )
-    pattern = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [batch, heads, keys]
+    if recomputed is None:
+        output = attention.output
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is None:
+            raise DLAError(
+                f"by='source' needs the attention pattern, and this model's attention ({heads.projection}'s module) "
+                "returns none and names no attention implementation to recompute it from. Load the model with "
+                "dla_recipes.load(..., attn_implementation='eager')"
+            )
+        recomputed = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [n, heads, keys]
+    weights = recomputed
     values = values_of(values, heads.values_layout, planned.parts, planned.part_width)
-    rows = rows.to(pattern.device)
-    rebuilt = grouped_sum(pattern, values.to(pattern.device), rows).flatten(1)
+    rows = rows.to(weights.device)
+    rebuilt = grouped_sum(weights, values.to(weights.device), rows).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, pattern, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows)
+    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows)
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
@@ -85,21 +108,6 @@ def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int
     elif layout == "per_head_qkv":  # [heads, (query, key, value)]
         fused = fused.view(batch, pos, heads, 3 * head_dim)[..., 2 * head_dim:]
     return fused.reshape(batch, pos, -1, head_dim)
-
-
-def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``einsum(equation, site_side[s], values[rows[s]])`` for every site ``s``, one prompt at a time: the values
-    ``[batch, keys, kv_heads, head_dim]`` are never copied per site (``[n, keys, ...]`` would grow with the
-    positions squared)."""
-    out = None
-    for b in torch.unique(rows).tolist():
-        index = (rows == b).nonzero()[:, 0]
-        with exact():
-            piece = torch.einsum(equation, site_side[index], values[b])
-        if out is None:
-            out = piece.new_zeros((site_side.shape[0], *piece.shape[1:]))
-        out[index] = piece
-    return out
 
 
 def grouped_sum(pattern: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
