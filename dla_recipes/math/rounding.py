@@ -107,6 +107,10 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
 
 def first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
     """``[batch]`` float: the first column of ``scores`` that is not finite, or -1."""
-    bad = ~torch.isfinite(scores)
-    first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
-    return torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
+    out = torch.full((scores.shape[0],), -1.0, device=scores.device)
+    rows = (~torch.isfinite(scores.sum(-1))).nonzero()[:, 0]  # a non-finite part makes its row's sum non-finite
+    if len(rows):  # (a finite row whose sum overflows is looked at too, and has no bad column)
+        bad = ~torch.isfinite(scores[rows])
+        first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
+        out[rows] = torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
+    return out

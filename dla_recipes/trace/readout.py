@@ -97,6 +97,8 @@ class Readout:
     def concat(cls, readouts: list[Readout]) -> Readout:
         """One ``Readout`` of several batches' (in order): rows concatenated in float32, the two scalar checks
         (``head_error``, ``norm_fit_error``) their maximum."""
+        if len(readouts) == 1:
+            return readouts[0]
         scalars = ("head_error", "norm_fit_error")
         worst = max(readouts, key=lambda r: float(r.pattern_error))  # the batch whose rebuilt heads are worst
         rows = ("values",) + tuple(name for name in cls.FIELDS if name not in scalars + ("pattern_error", "pattern_layer"))

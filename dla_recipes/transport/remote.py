@@ -140,7 +140,7 @@ def remote_error(error: BaseException, remote) -> RemoteError:
         return RemoteError(
             f"the NDIF server at {host} refused the API key: {text}. Set NDIF_API_KEY (or nnsight.CONFIG.API.APIKEY)."
         )
-    if "nnsight version" in text:  # ndif's own gate (NDIF_MIN_NNSIGHT_VERSION): this client's nnsight is too old
+    if "Client nnsight version" in text or "Malformed nnsight version" in text:  # ndif's own gate (versioning.py)
         return RemoteError(
             f"the NDIF server at {host} refused this client's nnsight: {text} (installed here: nnsight "
             f"{nnsight.__version__}). Upgrade it to the server's version (nnsight.compare() shows both) and run again."
