@@ -77,7 +77,8 @@ def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids:
                  in zip(names, lengths, per_prompt) if not any(o is not None for o in own)]
         if empty:
             raise InputError(
-                f"target='next' attributes each position's next token in the prompt, and {', '.join(empty)} has none "
+                f"target='next' attributes each position's next token in the prompt, and {', '.join(empty)} "
+                f"{'has' if len(empty) == 1 else 'have'} none "
                 f"after position={position!r}: attribute earlier positions (e.g. position=slice(None, -1)) or give "
                 "the target")
     width = max(len(own) for own in per_prompt)
