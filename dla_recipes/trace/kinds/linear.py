@@ -61,5 +61,7 @@ def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: t
 def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u``."""
     pulled, u, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
-    parts = (reads.inputs * pulled.to(reads.inputs.device)).unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
+    parts = reads.inputs * pulled.to(reads.inputs.device)  # [n, in]: one part per input when parts are 1 wide
+    if planned.part_width != 1:
+        parts = parts.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
     return parts, rest + bias, None
