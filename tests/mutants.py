@@ -78,7 +78,7 @@ def one_position_earlier(original):
     def mutated(*args, **kwargs):
         arguments = bound(original, args, kwargs)
         sites = arguments.arguments["sites"]
-        arguments.arguments["sites"] = sites._replace(positions=(sites.positions - 1).clamp(min=0))
+        arguments.arguments["sites"] = type(sites)(sites.rows, (sites.positions - 1).clamp(min=0), sites.batch)
         return original(*arguments.args, **arguments.kwargs)
     return mutated
 
