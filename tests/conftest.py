@@ -386,6 +386,24 @@ def hooked_output(model, module, prompt: str) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def serve_tiny(root, families, **server_options):
+    """A loopback NDIF server (``LoopbackServer``, a fresh API key) hosting the tiny perturbed ``families``, each
+    saved with its tokenizer in a folder under ``root``."""
+    import secrets
+
+    from dla_recipes.testing.loopback import LoopbackServer
+
+    folders = {}
+    for family in families:
+        folder = Path(root) / family
+        tiny.build(family).save_pretrained(folder)
+        tiny.tokenizer().save_pretrained(folder)
+        folders[family] = str(folder)
+    with LoopbackServer(folders, api_key=secrets.token_hex(16), **server_options) as running:
+        yield running
+
+
+@contextlib.contextmanager
 def single_threaded():
     """Run torch single-threaded, as the loopback NDIF server computes: float reductions depend on the thread count,
     so a bit-exact remote == local comparison needs the local forward single-threaded too."""

@@ -13,7 +13,6 @@ and bad input named.
 
 from __future__ import annotations
 
-import secrets
 import warnings
 
 import pytest
@@ -25,6 +24,7 @@ from conftest import (
     eager_model,
     hooked_output,
     is_source_refusal,
+    serve_tiny,
     single_threaded,
     source_marks,
     tiny_model,
@@ -402,16 +402,8 @@ SERVED = ["llama", "gpt2"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from dla_recipes.testing.loopback import LoopbackServer
-
     root = tmp_path_factory.mktemp("served_positions")
-    folders = {}
-    for family in SERVED:
-        folder = root / family
-        tiny.build(family).save_pretrained(folder)
-        tiny.tokenizer().save_pretrained(folder)
-        folders[family] = str(folder)
-    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+    with serve_tiny(root, SERVED) as running:
         yield running
 
 

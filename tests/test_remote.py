@@ -6,16 +6,15 @@ equal local to 0.0 (both single-threaded; the model's own logit to the last bit 
 attribution's few numbers may come back.
 """
 
-import secrets
 
 import pytest
 import torch
-from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
+from conftest import CONTRAST, PROMPTS, TARGET, serve_tiny, single_threaded
 
 import dla_recipes
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
-from dla_recipes.testing.loopback import LoopbackServer, free_port
+from dla_recipes.testing.loopback import free_port
 
 pytestmark = pytest.mark.server
 
@@ -28,13 +27,7 @@ SERVED += ["minimax", "openai_gpt", "nanochat"]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
-    folders = {}
-    for family in SERVED:
-        folder = root / family
-        tiny.build(family).save_pretrained(folder)
-        tiny.tokenizer().save_pretrained(folder)
-        folders[family] = str(folder)
-    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+    with serve_tiny(root, SERVED) as running:
         yield running
 
 

@@ -242,20 +242,10 @@ def test_earlier_position_has_zeros_after_it():
 @pytest.mark.server
 def test_remote_equals_local(tmp_path):
     """On the loopback NDIF server, eager attention (sdpa, the default: test_sources_sdpa)."""
-    import secrets
+    from conftest import serve_tiny, single_threaded
 
-    from conftest import single_threaded
-
-    from dla_recipes.testing.loopback import LoopbackServer
-
-    folders = {}
-    for family in ("llama", "gemma2"):
-        folder = tmp_path / family
-        tiny.build(family).save_pretrained(folder)
-        tiny.tokenizer().save_pretrained(folder)
-        folders[family] = str(folder)
-    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as server:
-        for family in folders:
+    with serve_tiny(tmp_path, ("llama", "gemma2")) as server:
+        for family in ("llama", "gemma2"):
             # nnsight sends the client model's attention implementation with the request; the server switches to it
             remote_model = server.remote_model(family, attn_implementation="eager")
             local_model = server.local_model(family, attn_implementation="eager")

@@ -204,20 +204,10 @@ def test_ignored_mask_is_refused(monkeypatch):
 @pytest.mark.server
 def test_remote_sdpa_equals_local(tmp_path):
     """On the loopback NDIF server, sdpa (the default): remote equals local bit for bit, and eager within ``GAP``."""
-    import secrets
+    from conftest import serve_tiny, single_threaded
 
-    from conftest import single_threaded
-
-    from dla_recipes.testing.loopback import LoopbackServer
-
-    folders = {}
-    for family in ("llama", "gemma3"):
-        folder = tmp_path / family
-        tiny.build(family).save_pretrained(folder)
-        tiny.tokenizer().save_pretrained(folder)
-        folders[family] = str(folder)
-    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as server:
-        for family in folders:
+    with serve_tiny(tmp_path, ("llama", "gemma3")) as server:
+        for family in ("llama", "gemma3"):
             with server.client():
                 remote = dla_recipes.attribute(server.remote_model(family, attn_implementation="sdpa"), PROMPTS,
                                                TARGET, contrast=CONTRAST, by="source", remote=True)
