@@ -6,6 +6,7 @@
     attr.top(10)                                                          # the parts sum to the model's own logit
 
 The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
+``attribute_dataset`` (a dataset in chunks: rows, a resumable Parquet directory, statistics; ``dla_recipes.datasets``),
 ``Attribution``, ``PositionAttribution`` (several positions a prompt), ``TracedAttribution``, ``head_slice`` and
 ``HeadSlice`` (where one head's output is, to edit it in nnsight) and the errors. The rest is reached through
 namespaces: ``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
@@ -27,6 +28,7 @@ from . import (
     trace,
 )
 from .api import attribute, attribute_direction
+from .datasets import attribute_dataset
 from .errors import (
     DLAError,
     ExactnessError,
@@ -68,6 +70,7 @@ __all__ = [
     "TracedAttribution",
     "UnknownFamilyError",
     "attribute",
+    "attribute_dataset",
     "attribute_direction",
     "families",
     "head_slice",

@@ -12,7 +12,7 @@ import inspect
 
 import dla_recipes
 
-VERBS = {"load", "attribute", "attribute_direction", "trace_attribution"}
+VERBS = {"load", "attribute", "attribute_direction", "trace_attribution", "attribute_dataset"}
 NAMESPACES = {"families", "math", "models", "plan", "plots", "trace"}
 TYPES = {"Attribution", "PositionAttribution", "TracedAttribution", "HeadSlice"}
 HELPERS = {"head_slice"}
