@@ -6,7 +6,8 @@
     attr.top(10)                                                          # the parts sum to the model's own logit
 
 The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
-``Attribution``, ``PositionAttribution`` (several positions a prompt), ``TracedAttribution``, ``head_slice`` and
+``Attribution``, ``PositionAttribution`` (several positions a prompt), ``AttributionStats`` and ``Stats``
+(``reduce="stats"``: per-component statistics over a dataset), ``TracedAttribution``, ``head_slice`` and
 ``HeadSlice`` (where one head's output is, to edit it in nnsight) and the errors. The rest is reached through
 namespaces: ``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
 ``direct_logit_attribution``, ...), ``dla_recipes.families`` (the family table), ``dla_recipes.plan``
@@ -45,6 +46,7 @@ from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
+from .present.stats import AttributionStats, Stats
 from .transport.remote import RemoteBatchError
 
 # The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
@@ -54,6 +56,7 @@ sys.modules[f"{__name__}.models"] = models
 
 __all__ = [
     "Attribution",
+    "AttributionStats",
     "DLAError",
     "ExactnessError",
     "FamilyTableError",
@@ -64,6 +67,7 @@ __all__ = [
     "PositionAttribution",
     "RemoteBatchError",
     "RemoteError",
+    "Stats",
     "TraceUsageError",
     "TracedAttribution",
     "UnknownFamilyError",
