@@ -7,7 +7,8 @@
 
 The face is the verbs and their types: ``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``,
 ``attribute_dataset`` (a dataset in chunks: rows, a resumable Parquet directory, statistics; ``dla_recipes.datasets``),
-``Attribution``, ``PositionAttribution`` (several positions a prompt), ``TracedAttribution``, ``head_slice`` and
+``Attribution``, ``PositionAttribution`` (several positions a prompt), ``AttributionStats`` and ``Stats``
+(``reduce="stats"``: per-component statistics over a dataset), ``TracedAttribution``, ``head_slice`` and
 ``HeadSlice`` (where one head's output is, to edit it in nnsight) and the errors. The rest is reached through
 namespaces: ``dla_recipes.trace`` (the in-trace readers and recipes: ``layer_input``, ``mlp_output``,
 ``direct_logit_attribution``, ...), ``dla_recipes.families`` (the family table), ``dla_recipes.plan``
@@ -47,6 +48,7 @@ from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
+from .present.stats import AttributionStats, Stats
 from .transport.remote import RemoteBatchError
 
 # The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
@@ -56,6 +58,7 @@ sys.modules[f"{__name__}.models"] = models
 
 __all__ = [
     "Attribution",
+    "AttributionStats",
     "DLAError",
     "ExactnessError",
     "FamilyTableError",
@@ -66,6 +69,7 @@ __all__ = [
     "PositionAttribution",
     "RemoteBatchError",
     "RemoteError",
+    "Stats",
     "TraceUsageError",
     "TracedAttribution",
     "UnknownFamilyError",

@@ -23,13 +23,15 @@ from .loading.load import as_standardized
 from .plan import build_plan
 from .plan import sources as source_split
 from .present.attribution import Attribution
-from .result import EDIT_HINT, assemble, layout_of, rows_of
+from .present.stats import Stats, as_stats
+from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall, TopCall
 from .transport.batches import groups, offsets, plain, prepare, resolve_all
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
+from .transport.stats import pair_groups, stats_calls
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,16 @@ class _Request:
     sources: object = None
     read_by: str = ""
     layout: object = None
-    reduce: str | None = None
+    reduce: object = None  # None, "sum" or a Stats
+
+
+def _stats_of(r: _Request, readouts: tuple, dtype):
+    """``reduce=Stats(...)``: the ``AttributionStats`` of the batches whose ``readouts`` came back."""
+    k, stats = len(readouts), as_stats(r.reduce)
+    names = r.layout.names(rows_of(r.batches[:k]).positions)
+    return assemble_stats(r.plan, readouts, r.by, dtype, r.tolerance, r.stop, r.sources, r.read_by,
+                          r.intervene is not None, names, [len(b.rows) for b in r.batches[:k]], stats.seed,
+                          stats.paired)
 
 
 def _complete(request: _Request, done: tuple = ()) -> Attribution:
@@ -60,6 +71,8 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     ran = run_batches(r.model, r.plan, r.batches, r.calls, remote=r.remote, progress=r.progress,
                       intervene=r.intervene, done=done, desc=f"DLA by {r.by}")
     dtype = model_dtype(r.model)
+    if ran.error is None and as_stats(r.reduce) is not None:
+        return _stats_of(r, ran.readouts, dtype)
     if ran.error is None:
         return assemble(r.plan, rows_of(r.batches), ran.readouts, r.by, dtype, r.tolerance, r.stop, r.sources,
                         r.order, r.read_by, r.intervene is not None, r.layout, r.reduce)
@@ -70,7 +83,9 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     if not ran.readouts and not resumable:
         raise ran.error  # the first request failed for good: its RemoteError, nothing kept, nothing to resume
     partial = None
-    if ran.readouts:  # its rows in the user's order too: rank the indices that ran
+    if ran.readouts and as_stats(r.reduce) is not None:
+        partial = _stats_of(r, ran.readouts, dtype)
+    elif ran.readouts:  # its rows in the user's order too: rank the indices that ran
         layout = None if r.layout is None else layout_of(r.batches[:k], groups_of(r)[:k])
         partial = assemble(r.plan, rows_of(r.batches[:k]), ran.readouts, r.by, dtype, r.tolerance, r.stop,
                            r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None,
@@ -115,8 +130,9 @@ def check_grid(value, batches, role: str) -> None:
 
 
 def check_reduce(reduce) -> None:
-    if reduce not in (None, "sum"):
-        raise InputError(f"reduce={reduce!r}: use None (one row a position) or 'sum' (each prompt's positions summed)")
+    if not (reduce is None or isinstance(reduce, Stats) or isinstance(reduce, str) and reduce in ("sum", "stats")):
+        raise InputError(f"reduce={reduce!r}: use None (one row a position), 'sum' (each prompt's positions summed), "
+                         "'stats' or dla_recipes.Stats(...) (per-component statistics over the sites, in the trace)")
 
 
 def groups_of(request: _Request) -> list[list[int]]:
@@ -142,7 +158,7 @@ def attribute(
     tolerance: float | None = None,
     intervene=None,
     sources: dict | None = None,
-    reduce: str | None = None,
+    reduce=None,
     blocking: bool = True,
 ):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
@@ -192,14 +208,22 @@ def attribute(
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
         reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
-            of the span's logits, exact as each position is).
+            of the span's logits, exact as each position is). ``"stats"`` or ``Stats(replicates=200, seed=0,
+            paired=False)``: per-component statistics reduced in the trace (``AttributionStats``: ``summary()``
+            with mean, std, sem, t interval, share positive, bootstrap interval, sign-flip p-value), one sample
+            per attributed site (one int position: a prompt; several: every (prompt, position) pooled);
+            ``O(components x replicates)`` numbers return per request whatever the batch. Every site is still
+            self-checked: each batch sends back the full rows of its sites nearest to failing, and the check on
+            those raises as without it. ``paired=True``: ``prompts`` is ``clean + corrupted`` (row ``i`` pairs
+            with ``i + n/2``, both in one batch) and the samples are the per-site differences.
         blocking: ``False`` (with ``remote``): submit the jobs and return at once a ``RemoteJob`` handle:
             ``.status()``, ``.result()`` (waits, returns the attribution), ``.resume()`` (sends again what a
             restarted or unreachable server lost).
 
     Returns:
         One int position: an ``Attribution`` (``values [batch, n_components]``, ``labels``, ``constant [batch]``,
-        ``logit [batch]``, ``error``); several: a ``PositionAttribution`` (``reduce="sum"``: an ``Attribution``).
+        ``logit [batch]``, ``error``); several: a ``PositionAttribution`` (``reduce="sum"``: an ``Attribution``);
+        ``reduce="stats"``: an ``AttributionStats``.
         Raises ``ExactnessError`` when the parts do not sum to the model's own logit at some prompt and position.
     """
     prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
@@ -214,7 +238,8 @@ def attribute(
     n = len(prompts)
     if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
         target, contrast = resolve_all(model, prompts, target, contrast)
-    run_groups = groups(model, plan, prompts, batch_size)
+    stats = as_stats(reduce)
+    run_groups = (pair_groups if stats is not None and stats.paired else groups)(model, plan, prompts, batch_size)
 
     def batches_for(target):
         return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
@@ -247,6 +272,8 @@ def attribute(
         split = source_split.choose(plan, layers, top, count, heads)
     calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
                             offsets(b) if by == "source" else None, intervene is not None, b.rows) for b in batches)
+    if stats is not None:
+        calls = stats_calls(calls, batches, run_groups, stats, tolerance, n)
     layout = layout_of(batches, run_groups, model.tokenizer)
     request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
                        progress, intervene, sources=split, layout=layout, reduce=reduce)
@@ -282,7 +309,7 @@ def attribute_direction(
     batch_size: int | None = None,
     progress: bool | None = None,
     tolerance: float | None = None,
-    reduce: str | None = None,
+    reduce=None,
 ):
     """Attribute ``norm(stream) @ direction`` where ``norm`` is the norm in front of block ``layer``'s ``sublayer``.
 
@@ -325,7 +352,8 @@ def attribute_direction(
     if direction.dim() >= 2 and direction.shape[0] != len(prompts):
         raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
     directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
-    run_groups = groups(model, plan, prompts, batch_size)
+    stats = as_stats(reduce)
+    run_groups = (pair_groups if stats is not None and stats.paired else groups)(model, plan, prompts, batch_size)
     batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g) for g in run_groups)
     if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
         raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
@@ -336,6 +364,8 @@ def attribute_direction(
         if mine.dim() == 3:
             mine = mine[torch.arange(len(b.rows)), torch.as_tensor(b.columns)]
         calls.append(DirectionCall(plan, b.positions, mine, stop, reads, by, b.rows))
+    if stats is not None:
+        calls = stats_calls(calls, batches, run_groups, stats, tolerance, len(prompts))
     request = _Request(model, plan, batches, tuple(calls), tuple(i for g in run_groups for i in g), by, tolerance,
                        remote, progress, stop=stop, read_by=f"L{stop[0]}.{reads}",
                        layout=layout_of(batches, run_groups, model.tokenizer), reduce=reduce)

@@ -18,6 +18,7 @@ import torch
 
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
+from .present.stats import AttributionStats
 from .selfcheck import computed_dtype, self_check
 from .trace.readout import Readout
 
@@ -204,3 +205,26 @@ def in_user_order(attr: Attribution, order: Sequence[int]) -> Attribution:
         contrast_tokens=rows(attr.contrast_tokens), positions=rows(attr.positions),
         diagnostics={key: rows(value) for key, value in attr.diagnostics.items()},
     )
+
+
+def assemble_stats(plan, readouts: Sequence, by: str, dtype: torch.dtype, tolerance: float | None = None, stop=None,
+                   sources=None, read_by: str = "", edits: bool = False, names: Sequence[str] = (),
+                   sites: Sequence[int] = (), seed: int = 0, paired: bool = False) -> AttributionStats:
+    """ONE ``AttributionStats`` from each batch's ``trace.stats.StatsReadout`` (``reduce="stats"``), self-checked.
+
+    The rows each batch sent back (its worst sites for the self-check, and any non-finite one) are checked by the
+    unchanged ``self_check``, so a failure raises the ``ExactnessError`` / ``NonFiniteError`` it raises on every
+    row; ``names``: every site as the user knows it (run order), ``sites``: the sites per batch.
+    """
+    labels = components_of(plan, by, stop, sources, edits)[1]
+    starts = [sum(sites[:k]) for k in range(len(readouts))]
+    kept = Readout.concat([r.rows for r in readouts])
+    kept_names = [names[start + int(s)] for start, r in zip(starts, readouts) for s in r.sites] if names else None
+    self_check(kept, plan, by, dtype, tolerance, labels=labels, edits=edits, names=kept_names)
+    meta = {"seed": seed, "by": by, "family": plan.family.name, "read_by": read_by, "paired": paired}
+    total = None
+    for r in readouts:
+        part = AttributionStats.from_accumulators(labels, r.count, r.mean, r.m2, r.positive, r.boot, r.weight, r.flip,
+                                                  error=float(r.error), **meta)
+        total = part if total is None else total.merge(part)
+    return total

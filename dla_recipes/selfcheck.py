@@ -40,10 +40,12 @@ from __future__ import annotations
 import torch
 
 from .errors import DLAError, ExactnessError, NonFiniteError
+from .math.checks import FLOAT32_RTOL, float32_floor, precision_of, split_sum_bound, tolerance_bound
 from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
 __all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
-FLOAT32_RTOL = 1e-4  # the recipe's own float32 arithmetic: the float32-style bound, FLOAT32_RTOL * max(1, |logit|)
+# FLOAT32_RTOL (the float32-style bound, FLOAT32_RTOL * max(1, |logit|)) and each site's bounds live in math.checks,
+# which the in-trace reducer (reduce="stats") ranks the sites with: the same arithmetic on both sides.
 PRECISION_LIKELY = 4.0  # a gap within this many precision bounds is called possibly rounding in the error message
 
 
@@ -67,14 +69,12 @@ def computed_dtype(readout, dtype: torch.dtype) -> torch.dtype:
 
 def precision_bound(readout, dtype: torch.dtype) -> torch.Tensor:
     """``[batch]``: what the model's own rounding in ``dtype`` can move the logit by (see the module docstring)."""
-    u = unit_roundoff(dtype)
-    spread = readout.head_noise + readout.stream_noise
-    return u * (readout.logit_size + SIGMAS * spread)
+    return precision_of(unit_roundoff(dtype), readout.logit_size, readout.head_noise, readout.stream_noise)
 
 
 def float32_bound(readout) -> torch.Tensor:
     """``[batch]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the old fixed tolerance)."""
-    return FLOAT32_RTOL * torch.clamp(readout.logit.abs(), min=1.0)
+    return float32_floor(readout.logit)
 
 
 def _nonfinite(readout, labels, plan, dtype) -> None:
@@ -136,7 +136,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     floor = float32_bound(readout)
     precision = precision_bound(readout, dtype)
     derived = floor + precision
-    bound = derived if tolerance is None else tolerance * torch.clamp(readout.logit.abs(), min=1.0)
+    bound = derived if tolerance is None else tolerance_bound(tolerance, readout.logit)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
     _check_head(readout, plan, u, tolerance)
     if by == "source":
@@ -242,7 +242,7 @@ def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names=Non
                 f"{term}.edit), or the family table's split entry does not describe what this sublayer writes. "
                 "dla_recipes refuses to return a wrong attribution."
             )
-    split_bound = floor + u * SIGMAS * readout.split_noise if tolerance is None else bound
+    split_bound = split_sum_bound(floor, u, readout.split_noise) if tolerance is None else bound
     split = readout.split_gap.abs()
     if bool((split > split_bound).any()):
         worst = int(torch.argmax(split / split_bound))

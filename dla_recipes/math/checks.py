@@ -1,0 +1,61 @@
+"""The self-check's per-site arithmetic: the bounds each site is held to, and how far each site is from failing.
+
+``selfcheck.self_check`` (client side, on the rows that came back) and ``trace.stats`` (in the trace, to pick the
+few sites whose rows come back with ``reduce="stats"``) both size the bounds here, so the site the in-trace
+reducer ranks worst is the one the self-check would fail first. Tensors in, tensors out; every input ``[n]`` (one
+per site) in logit units, ``u`` the unit roundoff of the dtype the model computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rounding import SIGMAS
+
+FLOAT32_RTOL = 1e-4  # the recipe's own float32 arithmetic: the float32-style bound, FLOAT32_RTOL * max(1, |logit|)
+
+
+def float32_floor(logit: torch.Tensor) -> torch.Tensor:
+    """``[n]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the recipe's own arithmetic)."""
+    return FLOAT32_RTOL * torch.clamp(logit.abs(), min=1.0)
+
+
+def precision_of(u, logit_size: torch.Tensor, head_noise: torch.Tensor, stream_noise: torch.Tensor) -> torch.Tensor:
+    """``[n]``: what the model's own rounding (unit roundoff ``u``) can move the logit by: each logit at its own
+    size, the final norm's output and the residual adds' roundings (``SIGMAS`` times their scale)."""
+    return u * (logit_size + SIGMAS * (head_noise + stream_noise))
+
+
+def tolerance_bound(tolerance: float, logit: torch.Tensor) -> torch.Tensor:
+    """``[n]``: a user's relative ``tolerance`` as a bound, ``tolerance * max(1, |logit|)``."""
+    return tolerance * torch.clamp(logit.abs(), min=1.0)
+
+
+def split_sum_bound(floor: torch.Tensor, u, split_noise: torch.Tensor) -> torch.Tensor:
+    """``[n]``: what the split terms' summed gap may be (their own rounding, ``SIGMAS * u * noise``, plus ``floor``)."""
+    return floor + u * SIGMAS * split_noise
+
+
+def site_ratios(total, logit, split_gap, split_noise, worst_gap, worst_allowed, logit_size, head_noise, stream_noise,
+                u, tolerance: float | None = None) -> torch.Tensor:
+    """``[n]``: each site's largest gap over what its check allows (> 1: the self-check fails there), over the
+    three per-site checks: the sum (``total`` = parts + constant, against ``logit``), the split terms' summed gap,
+    and (derived bound only) the worst single split term. NaN where a number is not finite."""
+    floor = float32_floor(logit)
+    derived = floor + precision_of(u, logit_size, head_noise, stream_noise)
+    bound = derived if tolerance is None else tolerance_bound(tolerance, logit)
+    ratio = (total + split_gap - logit).abs() / bound
+    split_bound = split_sum_bound(floor, u, split_noise) if tolerance is None else bound
+    ratio = torch.maximum(ratio, split_gap.abs() / split_bound)
+    if tolerance is None:
+        ratio = torch.maximum(ratio, worst_gap.abs() / (floor + worst_allowed))
+    return ratio
+
+
+def nonfinite_sites(*rows: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: the sites where any of ``rows`` (each ``[n]`` or ``[n, k]``) is not finite."""
+    bad = torch.zeros(rows[0].shape[0], dtype=torch.bool, device=rows[0].device)
+    for row in rows:
+        finite = torch.isfinite(row.to(bad.device))
+        bad = bad | ~(finite.all(-1) if finite.dim() == 2 else finite)
+    return bad
