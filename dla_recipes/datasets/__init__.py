@@ -18,26 +18,41 @@ of one uninterrupted run.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from ..api import attribute
 from ..args import check_batch_size
-from ..errors import InputError, RemoteError
+from ..errors import InputError
 from ..loading.load import as_standardized
 from ..plan import build_plan
 from ..present import parquet
-from ..transport.remote import RemoteBatchError, is_transient
+from ..present.stats import Stats
 from . import rows as data_rows
 from .rows import Column, Same
+from .stream import Bar, RowsSink, StatsSink, Stream, difference_stats, load_stats
 
-REDUCE = (None, "sum", "stats")
+__all__ = ["Column", "Same", "Versus", "attribute_dataset", "load_stats"]
 
-__all__ = ["Column", "Same", "attribute_dataset"]
+KEEP = object()  # a Versus field left as the first condition has it
+
+
+@dataclass(frozen=True)
+class Versus:
+    """``compare=``: the second condition, what differs from the first (the samples are first - second).
+
+    ``prompt``: a column of the data holding each row's second prompt (clean vs corrupted: both prompts of a row
+    run in one batch, the difference reduced in the trace). ``intervene``: the second condition's edit (``None``:
+    the plain model against ``intervene=``'s edit). ``model``: a second model of the same architecture (base vs
+    fine-tuned). A plain string ``compare="corrupted"`` is ``Versus(prompt="corrupted")``."""
+
+    prompt: object = KEEP
+    intervene: object = KEEP
+    model: object = KEEP
 
 
 def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast=None, by="block", position=-1,
                       reduce=None, out=None, batch_size: int = 32, remote=False, progress: bool | None = None,
-                      intervene=None, tolerance: float | None = None, **stats):
+                      intervene=None, tolerance: float | None = None, compare=None, **stats):
     """Attribute every row of ``data``: its ``prompt`` column's prompt, its target (minus its contrast), in chunks
     of ``batch_size`` rows, one ``attribute`` call a chunk (one forward pass; ``remote``: one request).
 
@@ -45,20 +60,23 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
         data: a list of dicts, a pandas ``DataFrame`` (rows by position), a Hugging Face ``datasets.Dataset`` or
             any iterable of dicts (a generator is streamed: only one chunk is held at a time).
         prompt: the column holding each row's prompt: a string or a list of token ids.
-        target: a column name (each row's token string or token id), or one value for every row: the keywords
+        target: a column name (each row's token string or token id), or one value for every row: the keyword
             ``"next"``, a token id, a weighted set ``{tok: w}``, ``None`` (the model's top token), or
             ``Same(" Paris")`` for a token string (a plain string names a column; ``Column("next")`` reads a
             column named like the keyword).
         contrast: as ``target`` (its keyword: ``"mean"``); default none.
         by, position, remote, intervene, tolerance: as in ``attribute``.
         reduce: ``None`` (one row a prompt, or a site with several positions), ``"sum"`` (each prompt's positions
-            summed, as ``attribute``) or ``"stats"`` (``attribute(..., reduce="stats")`` a chunk, merged:
-            ``**stats`` are its options).
-        out: a directory (``"runs/ioi.parquet"``): the rows are written there chunk by chunk (``present.parquet``
-            names the columns) and the path is returned; ``pandas.read_parquet(out)`` reads them in row order. A
+            summed, as ``attribute``), ``"stats"`` or a ``Stats(replicates=, seed=)`` (``attribute(...,
+            reduce="stats")`` a chunk, merged exactly: an ``AttributionStats``; ``**stats``: ``Stats``' fields).
+        compare: with statistics, a second condition (``Versus``: a second prompt column, another edit, another
+            model): the statistics are of the per-site differences first - second.
+        out: a directory (``"runs/ioi.parquet"``). The rows are written there chunk by chunk, one Parquet part a
+            chunk (``present.parquet`` names the columns), and the path is returned: ``pandas.read_parquet(out)``
+            reads them in row order. Statistics are saved there after each chunk (``load_stats(out)``). A
             directory an earlier call wrote is resumed (its rows skipped) when the call is the same (model, by,
-            position, reduce, columns, contrast), else an ``InputError``. Without ``out`` the rows come back as one
-            ``Attribution`` / ``PositionAttribution`` (fine for data that fits in memory).
+            position, reduce, columns, contrast, edit), else an ``InputError``. Without ``out`` the rows come back
+            as one ``Attribution`` / ``PositionAttribution`` (fine for data that fits in memory).
         batch_size: rows a chunk (and a forward pass).
         progress: a progress bar of prompts (their rate, the time left when the size is known); default: when
             there is more than one chunk.
@@ -66,28 +84,31 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     Raises:
         InputError: a malformed chunk (naming each row and column), a missing column, a resumed ``out`` written
             by another call, or data not in the order the resumed rows were written in.
-        RemoteBatchError: a remote chunk failed after its retries: the parts written so far stay (``.done``: the
-            rows in ``out``; ``.resume()`` where the failure was transient and the data can be read again), and the
-            message says to call again with the same ``out=``.
+        RemoteBatchError: a chunk failed remotely after its retries: what finished is kept (``.done`` the rows;
+            the parts in ``out``, or ``.partial`` the statistics so far), the message says how to go on, and,
+            the failure being transient, ``.resume()`` attributes the failed chunk again and goes on.
     """
-    if reduce not in REDUCE:
-        raise InputError(f"reduce={reduce!r}: use None (one row a prompt), 'sum' (each prompt's positions summed) or "
-                         "'stats' (statistics over the rows)")
-    if stats and reduce != "stats":
-        raise InputError(f"{', '.join(sorted(stats))}: options of reduce='stats' only")
+    stats_record = stats_of(reduce, stats)
+    if stats_record is None and reduce not in (None, "sum"):
+        raise InputError(f"reduce={reduce!r}: use None (one row a prompt), 'sum' (each prompt's positions summed), "
+                         "'stats' or dla_recipes.Stats(...) (statistics over the rows)")
     if batch_size is None:
         raise InputError("batch_size=None: attribute_dataset reads the data in chunks of batch_size rows; give an int")
     batch_size = check_batch_size(batch_size)
     if not isinstance(prompt, (str, Column)):
         raise InputError(f"prompt={prompt!r}: give the name of the column holding the prompts")
+    versus = Versus(prompt=compare) if isinstance(compare, (str, Column)) else compare
+    if versus is not None and (not isinstance(versus, Versus) or stats_record is None):
+        raise InputError(f"compare={compare!r}: give Versus(prompt=..., intervene=..., model=...) or a column name, "
+                         "with reduce='stats' (the statistics of the per-prompt differences)")
     specs = {"prompt": data_rows.spec(prompt, "prompt"), "target": data_rows.spec(target, "target", ("next",)),
              "contrast": data_rows.spec(contrast, "contrast", ("mean",))}
+    if versus is not None and versus.prompt is not KEEP:
+        specs["versus"] = data_rows.spec(versus.prompt, "compare")
     src = data_rows.source(data)
     model = as_standardized(model)
     call = {"by": by, "position": position, "remote": remote, "intervene": intervene, "tolerance": tolerance}
-    if reduce == "stats":
-        return over_stats(model, src, specs, call, batch_size, progress, out, stats)
-    if out is None:  # everything in memory: one attribute call, batched as attribute batches
+    if stats_record is None and out is None:  # everything in memory: one attribute call, batched as attribute does
         chunks = list(data_rows.chunks(src, batch_size, specs))
         if not chunks:
             raise InputError("the data has no rows")
@@ -95,31 +116,55 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
                                                                                       "contrasts")))
         return attribute(model, whole.prompts, **values_of(whole, specs), batch_size=batch_size, progress=progress,
                          reduce=reduce, **call)
-    parts = parquet.Parts(out)
-    parts.start(meta_of(model, specs, call, reduce))
-    done = parts.done()
-    bar = Bar(progress, src.total, batch_size, len(done), f"DLA by {by}")
-    written: list[int] = []
-    try:
-        for k, chunk in enumerate(data_rows.chunks(src, batch_size, specs, skip=done)):
-            bar.begin(k)
-            try:
-                attr = attribute(model, chunk.prompts, **values_of(chunk, specs), batch_size=batch_size,
-                                 progress=False, reduce=reduce, **call)
-            except RemoteError as error:
-                raise stopped(error, k, sorted([*done, *written]), out, src,
-                              lambda: attribute_dataset(model, data, prompt=prompt, target=target, contrast=contrast,
-                                                        reduce=reduce, out=out, batch_size=batch_size,
-                                                        progress=progress, **call)) from error
-            parts.check_labels(list(attr.labels))
-            parts.write(parquet.table(attr, chunk.rows, not is_none(specs["contrast"])))
-            written += chunk.rows
-            bar.update(len(chunk.rows))
-    finally:
-        bar.close()
-    if not done and not written:
-        raise InputError("the data has no rows")
-    return Path(out)
+    meta = meta_of(model, specs, call, repr(stats_record) if stats_record is not None else reduce, versus)
+    parts = None if out is None else parquet.Parts(out)
+    if parts is not None:
+        parts.start(meta)
+
+    def attribute_chunk(chunk, how):
+        return attribute_rows(model, chunk, specs, call, how, versus)
+
+    if stats_record is None:
+        done = parts.done()
+        sink = RowsSink(attribute_chunk, parts, not is_none(specs["contrast"]), done)
+    else:
+        total, rows = load_stats(out) if out is not None else (None, 0)
+        done = dict.fromkeys(range(rows))
+        sink = StatsSink(attribute_chunk, stats_record, out, total, rows)
+    bar = Bar(progress, src.total, len(done), f"DLA {'stats ' if stats_record else ''}by {by}")
+    return Stream(data_rows.chunks(src, batch_size, specs, skip=done), sink, bar, out).go()
+
+
+def stats_of(reduce, options) -> Stats | None:
+    """``reduce`` as a ``Stats`` record (``"stats"`` with ``options``: ``Stats(**options)``), or None."""
+    if options and not (isinstance(reduce, str) and reduce == "stats"):
+        raise InputError(f"{', '.join(sorted(options))}: options of reduce='stats' (or give reduce=Stats(...))")
+    for name in ("start", "paired"):
+        if name in options or isinstance(reduce, Stats) and getattr(reduce, name) != getattr(Stats(), name):
+            raise InputError(f"Stats({name}=...) is attribute_dataset's to set (each chunk's first row; compare=)")
+    if isinstance(reduce, Stats):
+        return reduce
+    if isinstance(reduce, str) and reduce == "stats":
+        return Stats(**options)
+    return None
+
+
+def attribute_rows(model, chunk, specs, call, stats, versus):
+    """One chunk's ``attribute`` call (``stats``: its ``Stats``, or None for the rows); with ``versus``, the
+    second condition too (a second prompt column: one paired call; another edit or model: two calls, their
+    per-site differences reduced here)."""
+    values, n = values_of(chunk, specs), len(chunk.prompts)
+    if versus is None:
+        return attribute(model, chunk.prompts, **values, batch_size=n, progress=False, reduce=stats, **call)
+    if versus.prompt is not KEEP:  # clean + corrupted, paired in the trace
+        doubled = {k: v + v if isinstance(v, list) else v for k, v in values.items()}
+        return attribute(model, chunk.prompts + chunk.versus, **doubled, batch_size=2 * n, progress=False,
+                         reduce=replace(stats, paired=True), **call)
+    first = attribute(model, chunk.prompts, **values, batch_size=n, progress=False, **call)
+    other = {**call, **({} if versus.intervene is KEEP else {"intervene": versus.intervene})}
+    second_model = model if versus.model is KEEP else as_standardized(versus.model)
+    second = attribute(second_model, chunk.prompts, **values, batch_size=n, progress=False, **other)
+    return difference_stats(first, second, chunk.rows, stats)
 
 
 def values_of(chunk, specs) -> dict:
@@ -145,66 +190,20 @@ def identity(model) -> str:
     return f"{build_plan(model).family.name} {getattr(config, 'name_or_path', '') or '(no name)'} config {digest}"
 
 
-def meta_of(model, specs, call, reduce) -> dict:
+def meta_of(model, specs, call, reduce, versus=None) -> dict:
     """What ``out=``'s ``_dla_recipes.json`` records of the call (a resumed call must match all of it)."""
     edit = call["intervene"]
-    return {"model": identity(model), "by": call["by"], "position": repr(call["position"]), "reduce": reduce,
+    if versus is not None:
+        versus = {"prompt": None if versus.prompt is KEEP else describe(specs["versus"]),
+                  "intervene": None if versus.intervene is KEEP else name_of(versus.intervene),
+                  "model": None if versus.model is KEEP else identity(as_standardized(versus.model))}
+    return {"versus": versus, "model": identity(model), "by": call["by"], "position": repr(call["position"]), "reduce": reduce,
             "prompt": describe(specs["prompt"]), "target": describe(specs["target"]),
             "contrast": describe(specs["contrast"]),
-            "intervene": None if edit is None else getattr(edit, "__qualname__", repr(edit)), "labels": None}
+            "intervene": name_of(edit), "labels": None}
 
 
-def stopped(error: RemoteError, k: int, rows: list[int], out, src, again) -> RemoteBatchError:
-    """A ``RemoteBatchError`` for chunk ``k`` failing remotely after ``rows`` were written to ``out``."""
-    resumable = is_transient(error) and src.reiterable
-    how = ("call attribute_dataset again with the same out= (and the same data, in the same order) to attribute "
-           "the rest" + ("; .resume() does that" if resumable else ""))
-    return RemoteBatchError(f"chunk {k + 1} failed remotely: {error}\n\n{len(rows)} row(s) are kept in "
-                            f"out={str(out)!r}; {how}.", partial=None, done=tuple(rows), failed_batch=k,
-                            cause=error, resume=again if resumable else None)
+def name_of(edit) -> str | None:
+    return None if edit is None else getattr(edit, "__qualname__", repr(edit))
 
 
-class Bar:
-    """A tqdm bar of prompts, opened at the second chunk (``progress=None``) or the first (``True``)."""
-
-    def __init__(self, progress, total, batch_size, initial, desc):
-        self.progress, self.total, self.initial, self.desc, self.bar = progress, total, initial, desc, None
-        self.show_at = 0 if progress else 1
-
-    def begin(self, k: int) -> None:
-        if self.progress is False or self.bar is not None or k < self.show_at:
-            return
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(desc=self.desc, unit="prompt", total=self.total, initial=self.initial)
-
-    def update(self, n: int) -> None:
-        self.initial += n
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def over_stats(model, src, specs, call, batch_size, progress, out, options):
-    """``reduce="stats"``: ``attribute(..., reduce="stats")`` a chunk, the chunks' statistics merged
-    (``AttributionStats.merge``); with ``out`` they are also saved there (``stats.save``)."""
-    total = None
-    bar = Bar(progress, src.total, batch_size, 0, f"DLA stats by {call['by']}")
-    try:
-        for k, chunk in enumerate(data_rows.chunks(src, batch_size, specs)):
-            bar.begin(k)
-            part = attribute(model, chunk.prompts, **values_of(chunk, specs), batch_size=batch_size, progress=False,
-                             reduce="stats", **call, **options)
-            total = part if total is None else total.merge(part)
-            bar.update(len(chunk.rows))
-    finally:
-        bar.close()
-    if total is None:
-        raise InputError("the data has no rows")
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        total.save(out)
-    return total

@@ -109,11 +109,13 @@ class Chunk:
     prompts: list
     targets: list
     contrasts: list
+    versus: list | None = None  # compare=Versus(prompt=...): each row's second prompt
 
 
 def chunks(src: Source, size: int, specs: dict, skip: Mapping[int, str] | None = None) -> Iterator[Chunk]:
     """The rows of ``src`` not in ``skip``, ``size`` at a time, each chunk checked (``check``); ``specs``:
-    ``{"prompt": Column, "target": Column | Same, "contrast": Column | Same}``. A skipped row whose prompt is text
+    ``{"prompt": Column, "target": Column | Same, "contrast": Column | Same}`` (and ``"versus"``: a second prompt
+    column). A skipped row whose prompt is text
     must be the prompt ``skip`` holds for it (the data read in the same order as the run that wrote it)."""
     missing = [s.name for s in specs.values() if isinstance(s, Column)
                and src.columns is not None and s.name not in src.columns]
@@ -128,7 +130,7 @@ def chunks(src: Source, size: int, specs: dict, skip: Mapping[int, str] | None =
             if index in skip:
                 was = skip[index]
                 now = row.get(specs["prompt"].name) if isinstance(row, Mapping) else None
-                if isinstance(now, str) and now != was:
+                if was is not None and isinstance(now, str) and now != was:
                     raise InputError(f"row {index}'s prompt is {now[:60]!r}, but the rows already written hold "
                                      f"{was[:60]!r} there: the data is not read in the same order as the run that "
                                      "wrote them (resuming needs the same rows in the same order), or give a new out=")
@@ -146,7 +148,7 @@ def check(pending: list[tuple[int, object]], specs: dict) -> Chunk:
     """``pending`` ``[(row index, row)]`` read into a ``Chunk``, or ONE ``InputError`` naming every bad row and
     column of it."""
     problems: list[str] = []
-    out: dict[str, list] = {"prompt": [], "target": [], "contrast": []}
+    out: dict[str, list] = {role: [] for role in specs}
     for index, row in pending:
         if not isinstance(row, Mapping):
             problems.append(f"row {index}: a {type(row).__name__}, not a dict of columns")
@@ -158,7 +160,7 @@ def check(pending: list[tuple[int, object]], specs: dict) -> Chunk:
             if how.name not in row:
                 problems.append(f"row {index}: no column {how.name!r} (it has {sorted(map(str, row))})")
                 continue
-            value, why = (prompt_value if role == "prompt" else token_value)(row[how.name])
+            value, why = (prompt_value if role in ("prompt", "versus") else token_value)(row[how.name])
             if why:
                 problems.append(f"row {index}, column {how.name!r}: {why}")
             out[role].append(value)
@@ -166,7 +168,7 @@ def check(pending: list[tuple[int, object]], specs: dict) -> Chunk:
         more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
         raise InputError(f"{len(problems)} malformed value(s) in rows {pending[0][0]}..{pending[-1][0]} of the data:\n  "
                          + "\n  ".join(problems[:SHOWN]) + more)
-    return Chunk([i for i, _ in pending], out["prompt"], out["target"], out["contrast"])
+    return Chunk([i for i, _ in pending], out["prompt"], out["target"], out["contrast"], out.get("versus"))
 
 
 def short(value) -> str:

@@ -95,7 +95,6 @@ class Parts:
     def start(self, meta: dict) -> None:
         """Begin or resume: a new directory gets ``meta``; an existing one must have been written by the same call
         (``meta``'s every key but ``labels``, which a run learns at its first chunk), else an ``InputError``."""
-        pyarrow()
         old = self.meta()
         if old is None:
             self.path.mkdir(parents=True, exist_ok=True)
