@@ -292,3 +292,39 @@ def test_compare_a_second_prompt_column_and_an_edit(model, tmp_path):
     assert "L1.attn.edit" in edited.labels  # a column only the edited pass has: 0 in the plain one
     with pytest.raises(InputError, match="with reduce='stats'"):
         dla_recipes.attribute_dataset(model, paired, target="answer", compare="corrupt")
+
+
+# -- remote: the loopback NDIF server, one request a chunk ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from conftest import serve_tiny
+
+    with serve_tiny(tmp_path_factory.mktemp("served_datasets"), [FAMILY]) as running:
+        yield running
+
+
+@pytest.mark.server
+def test_remote_rows_and_stats_equal_local(server, tmp_path):
+    """Rows streamed to Parquet and statistics, one remote request a chunk, equal the local run (single-threaded,
+    as the server computes)."""
+    from conftest import single_threaded
+
+    remote_model, local_model = server.remote_model(FAMILY), server.local_model(FAMILY)
+    with server.client():
+        remote = run(remote_model, ROWS, tmp_path, "remote.parquet", by="head", remote=True)
+        remote_stats = dla_recipes.attribute_dataset(remote_model, ROWS, target="answer", contrast="foil", by="head",
+                                                     reduce="stats", batch_size=BATCH, remote=True, progress=False)
+    with single_threaded():
+        local = run(local_model, ROWS, tmp_path, "local.parquet", by="head")
+        local_stats = dla_recipes.attribute_dataset(local_model, ROWS, target="answer", contrast="foil", by="head",
+                                                    reduce="stats", batch_size=BATCH, progress=False)
+    labels = components(local)
+    assert components(remote) == labels and remote["row"].tolist() == local["row"].tolist()
+    assert (remote[labels].to_numpy() == local[labels].to_numpy()).all()
+    # the model's own logit: lm_head on a strided input, its last bit may differ between two processes (test_remote)
+    assert abs(remote["logit"].to_numpy() - local["logit"].to_numpy()).max() <= 2e-7
+    assert torch.equal(remote_stats.weight, local_stats.weight) and remote_stats.n == local_stats.n
+    n = len(labels)
+    assert torch.equal(remote_stats.mean[:n], local_stats.mean[:n]) and torch.equal(remote_stats.boot[:, :n],
+                                                                                    local_stats.boot[:, :n])

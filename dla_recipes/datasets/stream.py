@@ -92,7 +92,7 @@ class RowsSink:
 
     def __init__(self, attribute_chunk, parts: parquet.Parts, contrast: bool, done: dict):
         self.attribute_chunk, self.parts, self.contrast = attribute_chunk, parts, contrast
-        self.written, self.before = [], sorted(done)
+        self.count = len(done)  # rows in the parts (nothing per row is kept: memory flat in the rows)
 
     def run(self, chunk):
         return self.attribute_chunk(chunk, None)
@@ -100,16 +100,16 @@ class RowsSink:
     def add(self, chunk, attr) -> None:
         self.parts.check_labels(list(attr.labels))
         self.parts.write(parquet.table(attr, chunk.rows, self.contrast))
-        self.written += chunk.rows
+        self.count += len(chunk.rows)
 
     def done(self) -> list[int]:
-        return sorted([*self.before, *self.written])
+        return sorted(self.parts.done())
 
     def partial(self):
         return None
 
     def result(self):
-        if not self.before and not self.written:
+        if not self.count:
             raise InputError("the data has no rows")
         return self.parts.path
 
