@@ -14,7 +14,7 @@ import dla_recipes
 
 VERBS = {"load", "attribute", "attribute_direction", "trace_attribution"}
 NAMESPACES = {"families", "math", "models", "plan", "plots", "trace"}
-TYPES = {"Attribution", "PositionAttribution", "TracedAttribution", "HeadSlice"}
+TYPES = {"Attribution", "PositionAttribution", "TracedAttribution", "HeadSlice", "AttributionStats", "Stats"}
 HELPERS = {"head_slice"}
 
 
