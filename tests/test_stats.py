@@ -24,6 +24,7 @@ from mutants import MUTANTS
 
 import dla_recipes
 from dla_recipes import AttributionStats, ExactnessError, InputError, NonFiniteError, Stats
+from dla_recipes.testing import tiny
 from dla_recipes.trace import stats as trace_stats
 from dla_recipes.trace import terms
 
@@ -244,6 +245,22 @@ def test_self_check_still_fires(monkeypatch):
         dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=4)
     with pytest.raises(NonFiniteError) as stats_error:
         dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=4, reduce=Stats(keep=1))
+    assert str(stats_error.value) == str(rows_error.value)
+
+
+def test_low_precision(monkeypatch):
+    """A bfloat16 model: the sites ranked by the model's own rounding pass as every row does, and a planted fault
+    still raises the same error (the in-trace ranking reads the unit roundoff the trace measured)."""
+    model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
+    prompts = dataset(10, seed=11)
+    stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", reduce="stats", batch_size=4)
+    attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=4)
+    assert_matches_rows(stats, rows(attr))
+    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    with pytest.raises(ExactnessError) as rows_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="neuron", batch_size=4)
+    with pytest.raises(ExactnessError) as stats_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="neuron", batch_size=4, reduce="stats")
     assert str(stats_error.value) == str(rows_error.value)
 
 
