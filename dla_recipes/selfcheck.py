@@ -45,7 +45,8 @@ from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
 __all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
 # FLOAT32_RTOL (the float32-style bound, FLOAT32_RTOL * max(1, |logit|)) and each site's bounds live in math.checks,
-# which the in-trace reducer (reduce="stats") ranks the sites with: the same arithmetic on both sides.
+# which the in-trace reducer (reduce="stats") ranks the sites with: the same arithmetic on both sides (this module's
+# SIGMAS and FLOAT32_RTOL are passed on, so a test that patches them here patches the check).
 PRECISION_LIKELY = 4.0  # a gap within this many precision bounds is called possibly rounding in the error message
 
 
@@ -69,12 +70,12 @@ def computed_dtype(readout, dtype: torch.dtype) -> torch.dtype:
 
 def precision_bound(readout, dtype: torch.dtype) -> torch.Tensor:
     """``[batch]``: what the model's own rounding in ``dtype`` can move the logit by (see the module docstring)."""
-    return precision_of(unit_roundoff(dtype), readout.logit_size, readout.head_noise, readout.stream_noise)
+    return precision_of(unit_roundoff(dtype), readout.logit_size, readout.head_noise, readout.stream_noise, SIGMAS)
 
 
 def float32_bound(readout) -> torch.Tensor:
     """``[batch]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the old fixed tolerance)."""
-    return float32_floor(readout.logit)
+    return float32_floor(readout.logit, FLOAT32_RTOL)
 
 
 def _nonfinite(readout, labels, plan, dtype) -> None:
@@ -242,7 +243,7 @@ def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names=Non
                 f"{term}.edit), or the family table's split entry does not describe what this sublayer writes. "
                 "dla_recipes refuses to return a wrong attribution."
             )
-    split_bound = split_sum_bound(floor, u, readout.split_noise) if tolerance is None else bound
+    split_bound = split_sum_bound(floor, u, readout.split_noise, SIGMAS) if tolerance is None else bound
     split = readout.split_gap.abs()
     if bool((split > split_bound).any()):
         worst = int(torch.argmax(split / split_bound))

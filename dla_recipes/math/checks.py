@@ -15,15 +15,16 @@ from .rounding import SIGMAS
 FLOAT32_RTOL = 1e-4  # the recipe's own float32 arithmetic: the float32-style bound, FLOAT32_RTOL * max(1, |logit|)
 
 
-def float32_floor(logit: torch.Tensor) -> torch.Tensor:
+def float32_floor(logit: torch.Tensor, rtol: float = FLOAT32_RTOL) -> torch.Tensor:
     """``[n]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the recipe's own arithmetic)."""
-    return FLOAT32_RTOL * torch.clamp(logit.abs(), min=1.0)
+    return rtol * torch.clamp(logit.abs(), min=1.0)
 
 
-def precision_of(u, logit_size: torch.Tensor, head_noise: torch.Tensor, stream_noise: torch.Tensor) -> torch.Tensor:
+def precision_of(u, logit_size: torch.Tensor, head_noise: torch.Tensor, stream_noise: torch.Tensor,
+                 sigmas: float = SIGMAS) -> torch.Tensor:
     """``[n]``: what the model's own rounding (unit roundoff ``u``) can move the logit by: each logit at its own
     size, the final norm's output and the residual adds' roundings (``SIGMAS`` times their scale)."""
-    return u * (logit_size + SIGMAS * (head_noise + stream_noise))
+    return u * (logit_size + sigmas * (head_noise + stream_noise))
 
 
 def tolerance_bound(tolerance: float, logit: torch.Tensor) -> torch.Tensor:
@@ -31,9 +32,9 @@ def tolerance_bound(tolerance: float, logit: torch.Tensor) -> torch.Tensor:
     return tolerance * torch.clamp(logit.abs(), min=1.0)
 
 
-def split_sum_bound(floor: torch.Tensor, u, split_noise: torch.Tensor) -> torch.Tensor:
+def split_sum_bound(floor: torch.Tensor, u, split_noise: torch.Tensor, sigmas: float = SIGMAS) -> torch.Tensor:
     """``[n]``: what the split terms' summed gap may be (their own rounding, ``SIGMAS * u * noise``, plus ``floor``)."""
-    return floor + u * SIGMAS * split_noise
+    return floor + u * sigmas * split_noise
 
 
 def site_ratios(total, logit, split_gap, split_noise, worst_gap, worst_allowed, logit_size, head_noise, stream_noise,

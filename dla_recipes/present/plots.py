@@ -10,6 +10,7 @@ brings all three, and a figure function without plotly raises an ImportError tha
     plots.sources_heatmap(attr, toks) # the strongest heads x the source tokens they read (by="source")
     plots.top_bar(attr, k=20)         # the k largest components (heads, neurons, experts, blocks)
     plots.top_table(attr, k=10)       # the same as a table with bars (a pandas Styler)
+    plots.stats_bars(stats, k=20)     # an AttributionStats (reduce="stats"): the k largest means, t intervals
     plots.positions_heatmap(pattr)    # a PositionAttribution: blocks x one prompt's positions (position_plots)
     plots.token_text(pattr, "L5.attn")  # ... its text, each token coloured by that part (HTML)
     plots.show(fig)                   # display: interactive where plotly.js runs, a static PNG where it cannot;
@@ -31,7 +32,7 @@ from .display import PlotDisplay, in_notebook, show, static_png
 from .position_plots import TokenText, positions_heatmap, token_text
 
 __all__ = ["PlotDisplay", "TokenText", "block_values", "blocks_bar", "heads_heatmap", "in_notebook",
-           "positions_heatmap", "show", "source_matrix", "sources_heatmap", "static_png", "token_text", "top_bar",
+           "positions_heatmap", "show", "source_matrix", "sources_heatmap", "static_png", "stats_bars", "token_text", "top_bar",
            "top_table"]
 
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
@@ -242,6 +243,36 @@ def top_bar(attr, k: int = 20, prompt: int | None = 0, quantity: str | None = No
         yaxis=dict(autorange="reversed"),
         template="plotly_white", height=max(300, 22 * len(top) + 130), margin=dict(l=90, r=20, t=80, b=50),
         meta={"dla_plot": "top_bar"},
+    )
+    return fig
+
+
+def stats_bars(stats, k: int = 20, ci: float = 0.95, interval: str = "t"):
+    """Horizontal bars of an ``AttributionStats``' ``k`` components with the largest ``|mean|`` (largest at the
+    top), with error bars: the t interval at ``ci`` (``interval="t"``) or the bootstrap one (``"bootstrap"``)."""
+    go = _plotly()
+
+    if interval not in ("t", "bootstrap"):
+        raise ValueError(f"interval={interval!r}: 't' or 'bootstrap'")
+    top = stats.top(k, ci)
+    low, high = ("ci_low", "ci_high") if interval == "t" else ("boot_low", "boot_high")
+    mean = top["mean"]
+    fig = go.Figure(go.Bar(
+        x=mean.tolist(), y=top.index.tolist(), orientation="h",
+        marker_color=["#d62728" if v < 0 else "#1f77b4" for v in mean],
+        error_x=dict(type="data", symmetric=False, array=(top[high] - mean).tolist(),
+                     arrayminus=(mean - top[low]).tolist(), color="#444"),
+        customdata=top[[low, high, "p_signflip"]].to_numpy().tolist(),
+        hovertemplate="%{y}: %{x:.4f} [%{customdata[0]:.4f}, %{customdata[1]:.4f}], sign-flip p = "
+                      "%{customdata[2]:.3g}<extra></extra>",
+    ))
+    what = "paired difference" if stats.paired else "mean"
+    fig.update_layout(
+        title=dict(text=f"Top {len(top)} by {stats.by} ({stats.family}): {what} over {stats.n} samples, "
+                        f"{ci:.0%} {'t' if interval == 't' else 'bootstrap'} interval", x=0.01, xanchor="left"),
+        xaxis=dict(title=f"{what} contribution to the logit", zeroline=True), yaxis=dict(autorange="reversed"),
+        template="plotly_white", height=max(300, 22 * len(top) + 130), margin=dict(l=90, r=20, t=80, b=50),
+        meta={"dla_plot": "stats_bars"},
     )
     return fig
 

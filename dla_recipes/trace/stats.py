@@ -97,17 +97,20 @@ def worst_sites(readout: Readout, keep: int, tolerance: float | None) -> torch.T
 
 
 def reduce_readout(readout: Readout, index: torch.Tensor, seed: int, replicates: int, keep: int = 4,
-                   tolerance: float | None = None, pairs: torch.Tensor | None = None) -> StatsReadout:
+                   tolerance: float | None = None, pairs: torch.Tensor | None = None, device=None) -> StatsReadout:
     """A batch's ``Readout`` (one row a site, ``index`` ``[n]`` int64 each site's sample) reduced: see the module
-    docstring."""
+    docstring. ``device``: where the replicate sums are computed (the model's: ``[R, n] @ [n, C]`` in float64)."""
     columns = stat_columns(readout)
     if pairs is not None:
         columns = columns[pairs[:, 0]] - columns[pairs[:, 1]]
         index = index[pairs[:, 0]]
+    if device is not None:
+        columns = columns.to(device)
     acc = accumulate(columns, index, seed, replicates)
     error = (readout.values.sum(-1) + readout.constant - readout.logit).abs().max()
     sites = worst_sites(readout, keep, tolerance)
     rows = Readout.unpack(readout.pack()[sites])
+    acc = {name: value.cpu() for name, value in acc.items()}
     return StatsReadout(error=error.double(), sites=sites, rows=rows, **acc)
 
 
@@ -135,7 +138,7 @@ class StatsCall:
         with torch.no_grad():
             readout = self.inner.run(model)
             return reduce_readout(readout, self.index, self.seed, self.replicates, self.keep, self.tolerance,
-                                  self.pairs)
+                                  self.pairs, model.lm_head.weight.device)
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> StatsReadout:

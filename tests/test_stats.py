@@ -1,0 +1,339 @@
+"""``reduce="stats"`` (issue 20): per-component statistics reduced in the trace, against statistics by hand.
+
+The reference is the per-site rows of ``reduce=None`` on the same prompts (whose parts the other suites check
+against the model's own logits; here the self-check on every row holds them to it too): the mean, std, sem and t
+interval are computed from them with numpy (the t quantile by numerical integration of the t density), the share
+positive exactly; the bootstrap interval and the sign-flip p-value against an independent numpy Poisson bootstrap
+and sign-flip test of those rows (numpy's own random numbers, 2000 replicates each), within their Monte-Carlo
+error. Also: the same statistics with any ``batch_size``, merged chunks equal one call, remote == local on the
+loopback server, paired differences, positions pooled, ``attribute_direction``, a planted fault still raises the
+same ``ExactnessError`` (and a NaN the same ``NonFiniteError``), bytes back flat in the number of prompts, and bad
+input named.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import CONTRAST, PROMPTS, TARGET, serve_tiny, single_threaded, tiny_model
+from mutants import MUTANTS
+
+import dla_recipes
+from dla_recipes import AttributionStats, ExactnessError, InputError, NonFiniteError, Stats
+from dla_recipes.testing import tiny
+from dla_recipes.trace import stats as trace_stats
+from dla_recipes.trace import terms
+
+FAMILIES = ("llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "deepseek_v3", "recurrent_gemma", "inkling")
+# Measured over the 8 families x 3 granularities: the summary's mean, std, sem and t interval against numpy's on the
+# same float32 rows differ by at most 4.1e-16 of the column's largest |value| (8.9e-16 absolute).
+SAME = 1e-15
+
+
+def dataset(n: int, seed: int = 0) -> list[str]:
+    """``n`` prompts of 2..6 tiny-vocabulary words (different lengths: padded batches)."""
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(5, 40)}" for _ in range(rng.randrange(2, 7))) for _ in range(n)]
+
+
+def rows(attr) -> np.ndarray:
+    """``[n_sites, C]`` float64: each site's parts, constant and logit (a ``PositionAttribution``: its sites)."""
+    flat = getattr(attr, "sites", attr)
+    return torch.cat([flat.values, flat.constant[:, None], flat.logit[:, None]], -1).double().numpy()
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile by bisection on its closed-form CDF for integer ``df`` (Abramowitz & Stegun 26.7.3-4:
+    ``P(|T| <= t)`` a finite sum in ``theta = atan(t / sqrt(df))``), independent of the package's continued
+    fraction."""
+    def inside(t):  # P(|T| <= t)
+        theta = math.atan(t / math.sqrt(df))
+        s, c = math.sin(theta), math.cos(theta)
+        if df % 2:
+            term = total = c if df > 1 else 0.0
+            for k in range(1, (df - 3) // 2 + 1):
+                term *= 2 * k / (2 * k + 1) * c * c
+                total += term
+            return 2 / math.pi * (theta + s * total)
+        term = total = 1.0
+        for k in range(1, (df - 2) // 2 + 1):
+            term *= (2 * k - 1) / (2 * k) * c * c
+            total += term
+        return s * total
+
+    low, high = 0.0, 1e3
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if 0.5 + inside(middle) / 2 < p else (low, middle)
+    return (low + high) / 2
+
+
+def by_hand(x: np.ndarray, ci: float = 0.95) -> dict:
+    n = x.shape[0]
+    std = x.std(0, ddof=1)
+    sem = std / math.sqrt(n)
+    t = t_quantile(0.5 + ci / 2, n - 1)
+    mean = x.mean(0)
+    return {"n": n, "mean": mean, "std": std, "sem": sem, "ci_low": mean - t * sem, "ci_high": mean + t * sem,
+            "share_positive": (x > 0).mean(0)}
+
+
+def assert_matches_rows(stats: AttributionStats, x: np.ndarray) -> float:
+    """The summary's moments and t interval are numpy's on the rows, to float rounding; returns the largest gap."""
+    table, hand = stats.summary(), by_hand(x)
+    assert stats.n == hand["n"] and (table["n"] == hand["n"]).all()
+    scale = np.maximum(np.abs(x).max(0), 1e-30)
+    worst = 0.0
+    for name in ("mean", "std", "sem", "ci_low", "ci_high"):
+        gap = np.abs(table[name].to_numpy() - hand[name]) / scale
+        worst = max(worst, float(gap.max()))
+    assert worst < SAME, worst
+    np.testing.assert_array_equal(table["share_positive"].to_numpy(), hand["share_positive"])
+    return worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("by", ["block", "head", "neuron"])
+def test_stats_are_the_rows_statistics(family, by):
+    """Padded batches (prompts of 2..6 tokens), every fast family: the moments, t interval and share positive."""
+    model = tiny_model(family)
+    prompts = dataset(12, seed=1)
+    stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by, reduce="stats", batch_size=5)
+    attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by, batch_size=5)
+    assert list(stats.labels) == list(attr.labels) and stats.by == by and stats.family == attr.family
+    assert_matches_rows(stats, rows(attr))
+    assert stats.error == pytest.approx(attr.error, abs=1e-12)
+
+
+def mc_bootstrap(x: np.ndarray, replicates: int, ci: float, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson(1)-weighted bootstrap of the column means with numpy's own random numbers: the percentile interval
+    and its Monte-Carlo standard error per endpoint (from the replicate means' spread: sd * sqrt(q (1-q) / R) / phi)."""
+    w = rng.poisson(1.0, size=(replicates, x.shape[0])).astype(float)
+    means = (w @ x) / w.sum(1, keepdims=True)
+    q = np.quantile(means, [0.5 - ci / 2, 0.5 + ci / 2], axis=0)
+    z = 1.959963984540054  # the normal's 97.5% quantile (ci = 0.95)
+    density = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    error = means.std(0) * math.sqrt((0.5 - ci / 2) * (0.5 + ci / 2) / replicates) / density
+    return q, error
+
+
+def mc_signflip(x: np.ndarray, replicates: int, rng) -> np.ndarray:
+    s = rng.choice([-1.0, 1.0], size=(replicates, x.shape[0]))
+    flips = np.abs(s @ x)
+    return (1 + (flips >= np.abs(x.sum(0))).sum(0)) / (replicates + 1)
+
+
+def test_bootstrap_and_signflip_against_numpy():
+    """The bootstrap interval and the sign-flip p-value against numpy's own resampling of the per-prompt rows,
+    2000 replicates each: within 5 Monte-Carlo standard errors of the two estimates' difference (measured: at most
+    2.0 for the endpoints, 2.2 for the p-values)."""
+    model = tiny_model("llama")
+    prompts = dataset(40, seed=2)
+    replicates = 2000
+    stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head",
+                                  reduce=Stats(replicates=replicates, seed=7), batch_size=16)
+    x = rows(dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=16))
+    table = stats.summary()
+    q, error = mc_bootstrap(x, replicates, 0.95, np.random.default_rng(0))
+    for k, name in enumerate(("boot_low", "boot_high")):
+        gap = np.abs(table[name].to_numpy() - q[k])
+        assert (gap <= 5 * math.sqrt(2) * error).all(), (name, (gap / error).max())
+    # the bootstrap interval is an interval of the mean: it covers it, about as wide as the t interval
+    assert (table["boot_low"] <= table["mean"]).all() and (table["mean"] <= table["boot_high"]).all()
+    varies = table["std"] > 0  # the constant of a model without biases is 0 at every prompt
+    width = ((table["boot_high"] - table["boot_low"]) / (table["ci_high"] - table["ci_low"]))[varies]
+    assert len(width) > 10 and width.between(0.7, 1.3).all(), width.describe()
+    p_numpy = mc_signflip(x, replicates, np.random.default_rng(1))
+    p = table["p_signflip"].to_numpy()
+    p_error = np.sqrt(np.maximum(p_numpy * (1 - p_numpy), 1e-3) / replicates)
+    assert (np.abs(p - p_numpy) <= 5 * math.sqrt(2) * p_error + 1 / (replicates + 1)).all(), \
+        (np.abs(p - p_numpy) / p_error).max()
+    assert ((p > 0) & (p <= 1)).all() and p.min() < 0.05 < p.max()  # some components matter, some do not
+
+
+def test_same_stats_in_any_batching_and_chunks():
+    """batch_size 1, 3 and all give the same statistics (the random weights are a function of the sample, not of
+    its batch); two chunks (``Stats(start=...)``) merged equal one call."""
+    model = tiny_model("gpt2")
+    prompts = dataset(10, seed=3)
+    calls = {size: dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=size,
+                                         reduce=Stats(replicates=64, seed=3)) for size in (1, 3, None)}
+    first = dla_recipes.attribute(model, prompts[:4], TARGET, contrast=CONTRAST, by="head",
+                                  reduce=Stats(replicates=64, seed=3))
+    second = dla_recipes.attribute(model, prompts[4:], TARGET, contrast=CONTRAST, by="head",
+                                   reduce=Stats(replicates=64, seed=3, start=4), batch_size=2)
+    calls["chunks"] = first.merge(second)
+    reference = calls[None]
+    # measured: batchings differ by at most 2.3e-8 in the summary, 6.1e-7 in a replicate sum (of ten rows of up to
+    # ~3), 4.3e-7 in a sign-flip sum: the float32 rows of a padded batch differ in their last bits; the weights are
+    # the same exactly (their totals are equal)
+    for key, stats in calls.items():
+        assert stats.n == reference.n == 10, key
+        assert torch.equal(stats.weight, reference.weight), key
+        np.testing.assert_allclose(stats.summary().to_numpy(), reference.summary().to_numpy(), atol=5e-8, rtol=0)
+        torch.testing.assert_close(stats.boot, reference.boot, atol=1.2e-6, rtol=0)
+        torch.testing.assert_close(stats.flip, reference.flip, atol=1.2e-6, rtol=0)
+    other = dla_recipes.attribute(model, prompts[:4], TARGET, contrast=CONTRAST, by="block", reduce="stats")
+    with pytest.raises(InputError, match="different attributions"):
+        first.merge(other)
+
+
+def test_positions_pooled_and_direction():
+    """Every (prompt, position) site is a sample (``target="next"`` at every position), and ``attribute_direction``
+    reduces the same way."""
+    model = tiny_model("llama")
+    prompts = dataset(8, seed=4)
+    stats = dla_recipes.attribute(model, prompts, "next", position="all", by="head", reduce="stats", batch_size=3)
+    pattr = dla_recipes.attribute(model, prompts, "next", position="all", by="head", batch_size=3)
+    assert stats.n == int(pattr.mask.sum()) == len(pattr.sites)
+    assert_matches_rows(stats, rows(pattr))
+    direction = torch.randn(model.lm_head.weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    kwargs = {"layer": 1, "sublayer": "mlp", "by": "head", "position": "all", "batch_size": 4}
+    dstats = dla_recipes.attribute_direction(model, prompts, direction, reduce="stats", **kwargs)
+    dattr = dla_recipes.attribute_direction(model, prompts, direction, **kwargs)
+    assert dstats.read_by == "L1.ln_2" or dstats.read_by == dattr.sites.read_by
+    assert_matches_rows(dstats, rows(dattr))
+
+
+def test_paired_differences():
+    """``Stats(paired=True)``: prompts ``clean + corrupted``, the statistics of the per-prompt differences."""
+    model = tiny_model("llama")
+    clean, corrupted = dataset(9, seed=5), dataset(9, seed=6)
+    stats = dla_recipes.attribute(model, clean + corrupted, TARGET, contrast=CONTRAST, by="head",
+                                  reduce=Stats(paired=True), batch_size=4)
+    x = rows(dla_recipes.attribute(model, clean, TARGET, contrast=CONTRAST, by="head"))
+    y = rows(dla_recipes.attribute(model, corrupted, TARGET, contrast=CONTRAST, by="head"))
+    assert stats.paired and stats.n == 9
+    # measured: the paired rows run in other batches than the two unpaired calls, so a few float32 ulps differ
+    table, hand = stats.summary(), by_hand(x - y)
+    scale = np.abs(x - y).max(0)
+    for name in ("mean", "std", "ci_low", "ci_high"):
+        assert (np.abs(table[name].to_numpy() - hand[name]) <= 1e-6 * np.maximum(scale, 1.0)).all(), name
+    with pytest.raises(InputError, match="two halves"):
+        dla_recipes.attribute(model, clean, TARGET, reduce=Stats(paired=True))
+
+
+def test_self_check_still_fires(monkeypatch):
+    """A planted fault (the mlp term's score negated) raises the same ExactnessError with reduce="stats", naming
+    the same prompt; a NaN in one prompt's parts raises the same NonFiniteError."""
+    model = tiny_model("llama")
+    prompts = dataset(9, seed=7)
+    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    for kwargs in ({}, {"position": "all", "target": "next"}):
+        call = {"target": TARGET, "by": "head", "batch_size": 4} | kwargs
+        with pytest.raises(ExactnessError) as rows_error:
+            dla_recipes.attribute(model, prompts, **call)
+        with pytest.raises(ExactnessError) as stats_error:
+            dla_recipes.attribute(model, prompts, **call, reduce="stats")
+        assert str(stats_error.value) == str(rows_error.value) and "prompt " in str(stats_error.value)
+    monkeypatch.undo()
+    original = terms.score_term
+
+    def poisoned(*args, **kwargs):  # prompt row 1 of each batch: its first score non-finite
+        result = original(*args, **kwargs)
+        score = result[0].clone()
+        if score.shape[0] > 1:
+            score[1] = float("nan")
+        return (score, *result[1:])
+
+    monkeypatch.setattr(terms, "score_term", poisoned)
+    with pytest.raises(NonFiniteError) as rows_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=4)
+    with pytest.raises(NonFiniteError) as stats_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=4, reduce=Stats(keep=1))
+    assert str(stats_error.value) == str(rows_error.value)
+
+
+def test_low_precision(monkeypatch):
+    """A bfloat16 model: the sites ranked by the model's own rounding pass as every row does, and a planted fault
+    still raises the same error (the in-trace ranking reads the unit roundoff the trace measured)."""
+    model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer(), device_map="cpu")
+    prompts = dataset(10, seed=11)
+    stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", reduce="stats", batch_size=4)
+    attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=4)
+    assert_matches_rows(stats, rows(attr))
+    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    with pytest.raises(ExactnessError) as rows_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="neuron", batch_size=4)
+    with pytest.raises(ExactnessError) as stats_error:
+        dla_recipes.attribute(model, prompts, TARGET, by="neuron", batch_size=4, reduce="stats")
+    assert str(stats_error.value) == str(rows_error.value)
+
+
+def test_bytes_back_flat_in_prompts(monkeypatch):
+    """What one request returns does not grow with its prompts: the packed statistics of 64 prompts in one batch
+    are as long as those of 8 (the kept rows: ``keep`` a batch); ``reduce=None`` grows with them."""
+    model = tiny_model("llama")
+    sizes = {}
+    original = trace_stats.StatsReadout.pack
+
+    def measured(self):
+        packed = original(self)
+        sizes.setdefault(int(self.count), packed.numel() * packed.element_size())
+        return packed
+
+    monkeypatch.setattr(trace_stats.StatsReadout, "pack", measured)
+    for n in (8, 64):
+        dla_recipes.attribute(model, dataset(n, seed=8), TARGET, by="head", reduce=Stats(replicates=200))
+    assert sizes[8] == sizes[64], sizes
+
+
+def test_summary_top_plot_save(tmp_path):
+    model = tiny_model("llama")
+    stats = dla_recipes.attribute(model, dataset(12, seed=9), TARGET, contrast=CONTRAST, by="head", reduce="stats")
+    table = stats.summary(ci=0.9)
+    assert list(table.index) == list(stats.labels) + ["constant", "logit"]
+    assert {"n", "mean", "std", "sem", "ci_low", "ci_high", "share_positive", "boot_low", "boot_high",
+            "p_signflip"} <= set(table.columns)
+    top = stats.top(5)
+    assert len(top) == 5 and top["mean"].abs().is_monotonic_decreasing
+    assert set(top.index) <= set(stats.labels)
+    pytest.importorskip("plotly")
+    fig = dla_recipes.plots.stats_bars(stats, k=5)
+    assert list(fig.data[0].y) == list(top.index) and fig.layout.meta["dla_plot"] == "stats_bars"
+    back = AttributionStats.load(stats.save(tmp_path / "s.pt"))
+    assert back.labels == stats.labels and back.n == stats.n and torch.equal(back.boot, stats.boot)
+
+
+@pytest.mark.parametrize(("reduce", "match"), [("mean", "'stats'"), (3, "'sum'")])
+def test_bad_reduce(reduce, match):
+    with pytest.raises(InputError, match=match):
+        dla_recipes.attribute(tiny_model("llama"), PROMPTS, TARGET, reduce=reduce)
+
+
+@pytest.mark.parametrize("kwargs", [{"replicates": 0}, {"replicates": 2.5}, {"seed": -1}, {"paired": 1}])
+def test_bad_stats(kwargs):
+    with pytest.raises(InputError, match=next(iter(kwargs))):
+        Stats(**kwargs)
+
+
+SERVED = ["llama", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serve_tiny(tmp_path_factory.mktemp("served_stats"), SERVED) as running:
+        yield running
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("family", SERVED)
+def test_remote_equals_local(server, family):
+    """The statistics reduced on the loopback server equal the local ones (both single-threaded), in batches."""
+    remote_model, local_model = server.remote_model(family), server.local_model(family)
+    prompts = dataset(10, seed=10)
+    kwargs = {"contrast": CONTRAST, "by": "head", "batch_size": 4, "reduce": Stats(replicates=50, seed=1)}
+    with server.client():
+        remote = dla_recipes.attribute(remote_model, prompts, TARGET, remote=True, **kwargs)
+    with single_threaded():
+        local = dla_recipes.attribute(local_model, prompts, TARGET, **kwargs)
+    assert remote.labels == local.labels and remote.n == local.n == 10
+    # the model's own logit may differ in its last bit between two processes (test_remote): the logit column only
+    for name in ("mean", "m2", "positive", "boot", "flip"):
+        torch.testing.assert_close(getattr(remote, name), getattr(local, name), atol=1e-6, rtol=1e-6)
+    assert torch.equal(remote.weight, local.weight)
+    assert torch.equal(remote.mean[:-1], local.mean[:-1])
