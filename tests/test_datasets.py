@@ -328,3 +328,18 @@ def test_remote_rows_and_stats_equal_local(server, tmp_path):
     n = len(labels)
     assert torch.equal(remote_stats.mean[:n], local_stats.mean[:n]) and torch.equal(remote_stats.boot[:, :n],
                                                                                     local_stats.boot[:, :n])
+
+
+def test_progress_sum_rows_and_a_missing_pyarrow(model, tmp_path, capsys, monkeypatch):
+    run(model, ROWS, tmp_path, "bar.parquet", progress=None)  # 3 chunks: a bar of prompts, its rate
+    assert "prompt/s" in capsys.readouterr().err
+    run(model, ROWS[:BATCH], tmp_path, "one.parquet", progress=None)  # one chunk: no bar
+    assert "prompt" not in capsys.readouterr().err
+    summed = run(model, ROWS, tmp_path, "sum.parquet", target="next", contrast=None, position="all", reduce="sum")
+    expected = dla_recipes.attribute(model, [r["prompt"] for r in ROWS], "next", position="all", reduce="sum",
+                                     batch_size=BATCH)
+    assert "position" not in summed and "contrast" not in summed
+    assert torch.equal(torch.tensor(summed[expected.labels].to_numpy()), expected.values)
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
+    with pytest.raises(InputError, match=r"pip install dla_recipes\[data\]"):
+        run(model, ROWS, tmp_path, "no_pyarrow.parquet")

@@ -121,8 +121,8 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     if parts is not None:
         parts.start(meta)
 
-    def attribute_chunk(chunk, how):
-        return attribute_rows(model, chunk, specs, call, how, versus)
+    def attribute_chunk(chunk, how):  # how: the chunk's Stats, or None for the rows (reduce None or "sum")
+        return attribute_rows(model, chunk, specs, call, reduce if how is None else how, versus)
 
     if stats_record is None:
         done = parts.done()
@@ -150,7 +150,7 @@ def stats_of(reduce, options) -> Stats | None:
 
 
 def attribute_rows(model, chunk, specs, call, stats, versus):
-    """One chunk's ``attribute`` call (``stats``: its ``Stats``, or None for the rows); with ``versus``, the
+    """One chunk's ``attribute`` call (``stats``: its ``Stats``, or ``reduce`` for the rows); with ``versus``, the
     second condition too (a second prompt column: one paired call; another edit or model: two calls, their
     per-site differences reduced here)."""
     values, n = values_of(chunk, specs), len(chunk.prompts)
