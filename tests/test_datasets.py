@@ -252,6 +252,8 @@ def test_stats_resume_from_the_last_chunk_saved(model, tmp_path):
         dla_recipes.attribute_dataset(model, dies_after(ROWS, 9), out=out, **options)
     saved, rows = dla_datasets.load_stats(out)
     assert rows == 8 and saved.n == 8 and [p.name for p in out.glob("stats-*.pt")] == ["stats-000000000008.pt"]
+    with pytest.raises(InputError, match="row 7's prompt .* not read in the same order"):
+        dla_recipes.attribute_dataset(model, ROWS[1:] + ROWS[:1], out=out, **options)
     resumed = dla_recipes.attribute_dataset(model, ROWS, out=out, **options)
     for name in ("count", "mean", "m2", "boot", "weight", "flip", "positive"):
         assert torch.equal(torch.as_tensor(getattr(resumed, name)), torch.as_tensor(getattr(whole, name))), name

@@ -29,7 +29,7 @@ from ..present import parquet
 from ..present.stats import Stats
 from . import rows as data_rows
 from .rows import Column, Same
-from .stream import Bar, RowsSink, StatsSink, Stream, difference_stats, load_stats
+from .stream import Bar, RowsSink, StatsSink, Stream, difference_stats, last_prompt, load_stats
 
 __all__ = ["Column", "Same", "Versus", "attribute_dataset", "load_stats"]
 
@@ -129,7 +129,9 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
         sink = RowsSink(attribute_chunk, parts, not is_none(specs["contrast"]), done)
     else:
         total, rows = load_stats(out) if out is not None else (None, 0)
-        done = dict.fromkeys(range(rows))
+        done = dict.fromkeys(range(rows))  # skipped; the last one's prompt checked against the one saved
+        if rows:
+            done[rows - 1] = last_prompt(out, rows)
         sink = StatsSink(attribute_chunk, stats_record, out, total, rows)
     bar = Bar(progress, src.total, len(done), f"DLA {'stats ' if stats_record else ''}by {by}")
     return Stream(data_rows.chunks(src, batch_size, specs, skip=done), sink, bar, out).go()

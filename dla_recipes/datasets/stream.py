@@ -9,6 +9,7 @@ included: nothing is read twice). A sink has ``run(chunk)`` (the attribution of 
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -128,7 +129,8 @@ class StatsSink:
         self.total = part if self.total is None else self.total.merge(part)
         self.rows = chunk.rows[-1] + 1
         if self.out is not None:
-            save_stats(self.out, self.total, self.rows)
+            last = chunk.prompts[-1]
+            save_stats(self.out, self.total, self.rows, last if isinstance(last, str) else None)
 
     def done(self) -> list[int]:
         return list(range(self.rows))
@@ -142,15 +144,18 @@ class StatsSink:
         return self.total
 
 
-def save_stats(out, stats: AttributionStats, rows: int) -> Path:
-    """``stats`` as ``out/stats-<rows>.pt`` (written whole, then renamed), older checkpoints removed."""
+def save_stats(out, stats: AttributionStats, rows: int, last_prompt: str | None = None) -> Path:
+    """``stats`` as ``out/stats-<rows>.pt`` (written whole, then renamed), next to ``stats-<rows>.json`` (the
+    rows covered and the last one's prompt: a resumed run checks the data against it); older ones removed."""
     out = Path(out)
     name = out / f"stats-{rows:012d}.pt"
+    side = name.with_suffix(".json")
+    side.write_text(json.dumps({"rows": rows, "last_prompt": last_prompt}), encoding="utf-8")  # before its .pt
     tmp = out / f".{name.name}.tmp"
     stats.save(tmp)
     os.replace(tmp, name)
-    for old in out.glob("stats-*.pt"):
-        if old != name:
+    for old in [*out.glob("stats-*.pt"), *out.glob("stats-*.json")]:
+        if old not in (name, side):
             old.unlink()
     return name
 
@@ -161,6 +166,12 @@ def load_stats(out) -> tuple[AttributionStats | None, int]:
     if not found:
         return None, 0
     return AttributionStats.load(found[-1]), int(found[-1].stem.split("-")[1])
+
+
+def last_prompt(out, rows: int) -> str | None:
+    """The prompt of row ``rows - 1`` as the statistics saved for ``rows`` rows recorded it (None: unknown)."""
+    side = Path(out) / f"stats-{rows:012d}.json"
+    return json.loads(side.read_text(encoding="utf-8")).get("last_prompt") if side.exists() else None
 
 
 def sites_of(attr) -> tuple:
