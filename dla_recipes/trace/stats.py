@@ -156,8 +156,9 @@ class StatsCall:
         """The batch's statistics, inside the running trace of ``model``."""
         with torch.no_grad():
             readout = self.inner.run(model)
+            device = model.lm_head.weight.device  # a GPU's float64 matmul; elsewhere (MPS has no float64) the CPU
             return reduce_readout(readout, self.index, self.seed, self.replicates, self.keep, self.tolerance,
-                                  self.pairs, model.lm_head.weight.device)
+                                  self.pairs, device if device.type == "cuda" else None)
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> StatsReadout:
