@@ -356,3 +356,32 @@ def test_remote_equals_local(server, family, monkeypatch):
     for name in ("mean", "m2", "boot", "flip"):
         torch.testing.assert_close(getattr(remote, name), getattr(local, name), atol=7e-7, rtol=0)
     assert torch.equal(remote.weight, local.weight)
+
+
+@pytest.fixture(scope="module")
+def ndif_server(tmp_path_factory):
+    """The loopback server run as NDIF runs a request: bfloat16, sdpa, every request under a bfloat16 autocast."""
+    with serve_tiny(tmp_path_factory.mktemp("served_stats_ndif"), ["llama"], ndif=True) as running:
+        yield running
+
+
+@pytest.mark.server
+def test_ndif_like_autocast_and_handle(ndif_server):
+    """Under NDIF's autocast bracket the reducer's float64 arithmetic is untouched: the remote statistics (in one
+    session, and through a ``blocking=False`` handle) equal the local ones under the same bracket."""
+    remote_model = ndif_server.remote_model("llama")
+    local_model = ndif_server.local_model("llama", dispatch=True)
+    prompts = dataset(8, seed=12)
+    kwargs = {"contrast": CONTRAST, "by": "head", "batch_size": 3, "reduce": Stats(replicates=40, seed=2)}
+    with ndif_server.client():
+        remote = dla_recipes.attribute(remote_model, prompts, TARGET, remote=True, **kwargs)
+        handle = dla_recipes.attribute(remote_model, prompts, TARGET, remote=True, blocking=False, **kwargs)
+        later = handle.result()
+    with single_threaded(), ndif_server.bracket():
+        local = dla_recipes.attribute(local_model, prompts, TARGET, **kwargs)
+    for stats in (remote, later):
+        assert stats.n == local.n == 8 and stats.boot.dtype == torch.float64
+        assert torch.equal(stats.weight, local.weight)
+        # measured: the component columns equal bit for bit; the logit column's last bits may differ (test_remote)
+        assert torch.equal(stats.boot[:, :-1], local.boot[:, :-1]) and torch.equal(stats.flip[:, :-1], local.flip[:, :-1])
+        torch.testing.assert_close(stats.mean[:-1], local.mean[:-1], atol=3e-17, rtol=0)
