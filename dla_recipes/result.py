@@ -214,10 +214,13 @@ def assemble_stats(plan, readouts: Sequence, by: str, dtype: torch.dtype, tolera
 
     The rows each batch sent back (its worst sites for the self-check, and any non-finite one) are checked by the
     unchanged ``self_check``, so a failure raises the ``ExactnessError`` / ``NonFiniteError`` it raises on every
-    row; ``names``: every site as the user knows it (run order), ``sites``: the sites per batch.
+    row; ``names``: every site as the user knows it (run order), ``sites``: the sites per batch. A batch's readout
+    is None where a session merged it into the first batch's (``transport.session``): its kept sites count from
+    that batch's first site.
     """
     labels = components_of(plan, by, stop, sources, edits)[1]
     starts = [sum(sites[:k]) for k in range(len(readouts))]
+    starts, readouts = zip(*[(start, r) for start, r in zip(starts, readouts) if r is not None])  # None: merged
     kept = Readout.concat([r.rows for r in readouts])
     kept_names = [names[start + int(s)] for start, r in zip(starts, readouts) for s in r.sites] if names else None
     self_check(kept, plan, by, dtype, tolerance, labels=labels, edits=edits, names=kept_names)

@@ -15,7 +15,7 @@ typed choice passed as ``reduce=`` (its replicates, its seed, paired prompts).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -141,7 +141,6 @@ class AttributionStats:
     family: str = ""
     read_by: str = ""
     paired: bool = False
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_accumulators(cls, labels, count, mean, m2, positive, boot, weight, flip, **meta) -> AttributionStats:

@@ -34,6 +34,8 @@ class StatsReadout:
         error: ``[]`` the batch's largest ``|parts + constant - logit|``.
         sites: ``[k]`` long, the local index (into the batch's sites) of each row kept.
         rows: the ``Readout`` of those ``k`` sites (every field; its scalars the batch's).
+        n_sites: ``[]`` the batch's sites (several batches merged: all of theirs, ``sites`` counting from the
+            first batch's first site).
     """
 
     count: torch.Tensor
@@ -46,12 +48,28 @@ class StatsReadout:
     error: torch.Tensor
     sites: torch.Tensor
     rows: Readout
+    n_sites: torch.Tensor
+
+    def merge(self, other: StatsReadout) -> StatsReadout:
+        """The statistics of this batch's samples and of the batch after it (in a session, server side): counts
+        and sums add, the means and ``m2`` merge by Chan's parallel formula, the kept rows are joined."""
+        na, nb = self.count, other.count
+        total = na + nb
+        delta = other.mean - self.mean
+        return StatsReadout(
+            count=total, mean=self.mean + delta * (nb / total), m2=self.m2 + other.m2 + delta**2 * (na * nb / total),
+            positive=self.positive + other.positive, boot=self.boot + other.boot, weight=self.weight + other.weight,
+            flip=self.flip + other.flip, error=torch.maximum(self.error, other.error),
+            sites=torch.cat([self.sites, other.sites + self.n_sites.long()]),
+            rows=Readout.concat([self.rows, other.rows]), n_sites=self.n_sites + other.n_sites,
+        )
 
     def pack(self) -> torch.Tensor:
-        """One 1-D float64 tensor: ``[C, R, k, count, error]``, then the accumulators, the sites and the rows."""
+        """One 1-D float64 tensor: ``[C, R, k, count, error, n_sites]``, then the accumulators, the sites and the
+        rows."""
         columns, replicates = self.boot.shape[1], self.boot.shape[0]
         head = torch.tensor([float(columns), float(replicates), float(self.sites.shape[0]), float(self.count),
-                             float(self.error)], dtype=torch.float64)
+                             float(self.error), float(self.n_sites)], dtype=torch.float64)
         body = [getattr(self, name).double().reshape(-1).cpu() for name in ACCUMULATORS]
         return torch.cat([head, *body, self.sites.double().cpu(), self.rows.pack().double().reshape(-1).cpu()])
 
@@ -60,10 +78,10 @@ class StatsReadout:
         """The inverse of ``pack``."""
         packed = packed.double().cpu()
         columns, replicates, k = (int(v) for v in packed[:3].tolist())
-        count, error = packed[3], packed[4]
+        count, error, n_sites = packed[3], packed[4], packed[5]
         sizes = {"mean": columns, "m2": columns, "positive": columns, "boot": replicates * columns,
                  "weight": replicates, "flip": replicates * columns}
-        out, at = {}, 5
+        out, at = {}, 6
         for name in ACCUMULATORS:
             out[name] = packed[at:at + sizes[name]]
             at += sizes[name]
@@ -71,7 +89,7 @@ class StatsReadout:
         out["flip"] = out["flip"].reshape(replicates, columns)
         sites = packed[at:at + k].long()
         rows = packed[at + k:].float().reshape(k, -1)
-        return cls(count=count, error=error, sites=sites, rows=Readout.unpack(rows), **out)
+        return cls(count=count, error=error, sites=sites, rows=Readout.unpack(rows), n_sites=n_sites, **out)
 
 
 def stat_columns(readout: Readout) -> torch.Tensor:
@@ -111,7 +129,8 @@ def reduce_readout(readout: Readout, index: torch.Tensor, seed: int, replicates:
     sites = worst_sites(readout, keep, tolerance)
     rows = Readout.unpack(readout.pack()[sites])
     acc = {name: value.cpu() for name, value in acc.items()}
-    return StatsReadout(error=error.double(), sites=sites, rows=rows, **acc)
+    return StatsReadout(error=error.double(), sites=sites, rows=rows,
+                        n_sites=torch.tensor(float(readout.values.shape[0]), dtype=torch.float64), **acc)
 
 
 @dataclass(frozen=True)
@@ -137,8 +156,9 @@ class StatsCall:
         """The batch's statistics, inside the running trace of ``model``."""
         with torch.no_grad():
             readout = self.inner.run(model)
+            device = model.lm_head.weight.device  # a GPU's float64 matmul; elsewhere (MPS has no float64) the CPU
             return reduce_readout(readout, self.index, self.seed, self.replicates, self.keep, self.tolerance,
-                                  self.pairs, model.lm_head.weight.device)
+                                  self.pairs, device if device.type == "cuda" else None)
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> StatsReadout:

@@ -11,6 +11,9 @@ public deployment, ``JobLimit.seconds``), so the batches are cut into sessions t
 - each session then holds ``floor(seconds * margin / batch_seconds)`` batches, at least 1, at most ``max_batches``
   (which also bounds what one request sends and one failure loses).
 
+With ``reduce="stats"`` the session's batches are merged server side (``trace.stats.StatsReadout.merge``): one
+request returns ``O(components x replicates)`` numbers however many batches it ran (the others' places hold None).
+
 Set ``session.JOB_LIMIT = JobLimit(...)`` (or pass ``limit=``) to change it; ``JobLimit(max_batches=1)`` sends one
 request a batch. A session is retried as a whole (``remote.retry_or_raise``); one that fails for good stops the
 run with the readouts of the sessions before it (``Ran``), which the caller keeps and can resume from.
@@ -87,7 +90,9 @@ def trace_options(model, plan, batch) -> dict:
 
 
 def unpack(call, packed) -> Readout:
-    return getattr(call, "unpack", Readout.unpack)(packed)
+    """The readout ``call`` sent (``packed``); None stays None (a ``reduce="stats"`` batch merged into the first
+    of its session)."""
+    return None if packed is None else getattr(call, "unpack", Readout.unpack)(packed)
 
 
 def session_work(model, plan, batches: Sequence, calls: Sequence) -> list:
@@ -104,23 +109,29 @@ def send_session(model, plan, batches: Sequence, calls: Sequence, remote, interv
     while True:  # nnsight reads the session's code from this frame: the body stays here, whole
         try:
             with torch.no_grad(), model.session(remote=remote):
-                packs = []
+                packs, merged = [], None
                 for encoding, options, call in work:
                     if intervene is None:
                         with model.trace(encoding, **options):
-                            packed = call.run(model).pack()
+                            out = call.run(model)
                     else:
                         with model.trace(**options) as tracer:
                             with tracer.invoke(encoding):
                                 intervene(model)
                             with tracer.invoke():
-                                packed = call.run(model).pack()
-                    packs.append(packed)
+                                out = call.run(model)
+                    if hasattr(out, "merge"):  # reduce="stats": the session's batches merged server side
+                        merged = out if merged is None else merged.merge(out)
+                        packs.append(None)
+                    else:
+                        packs.append(out.pack())
+                if merged is not None:  # in the first batch's place; the others' come back as None
+                    packs[0] = merged.pack()
                 packs = nnsight.save(packs)
             break
         except Exception as error:  # noqa: BLE001 (classified by retry_or_raise: retried, or raised as RemoteError)
             attempt = retry_or_raise(error, attempt, remote)
-    return [unpack(call, packed) for call, packed in zip(calls, packs)]
+    return [None if packed is None else unpack(call, packed) for call, packed in zip(calls, packs)]
 
 
 def chunks(start: int, stop: int, size: int) -> list[range]:
