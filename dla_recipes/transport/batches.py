@@ -29,7 +29,7 @@ from ..args import as_index, check_position, check_prompts, check_text, per_prom
 from ..errors import InputError, UnknownFamilyError
 from ..families import family_of, text_config
 from ..trace.targets import LinearTarget
-from .sites import place, targets_of, token_problems, which
+from .sites import place, remembered, targets_of, token_problems, which
 
 Token = str | int
 
@@ -95,7 +95,7 @@ def resolve_token(model, token: Token, role: str = "target") -> int:
     token = check_text(token, role)
     if token == "":
         raise InputError(f"{role} is an empty string: give one token, e.g. ' Paris'")
-    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    ids = remembered(tokenizer, ("ids", token), lambda: list(tokenizer(token, add_special_tokens=False)["input_ids"]))
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
         spaced = spaced_id(tokenizer, token)
@@ -161,7 +161,7 @@ def spaced_id(tokenizer, word: str) -> int | None:
     first)."""
     if not word or not word[0].isalpha():
         return None
-    ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+    ids = remembered(tokenizer, ("ids", " " + word), lambda: list(tokenizer(" " + word, add_special_tokens=False)["input_ids"]))
     return int(ids[0]) if len(ids) == 1 else None
 
 
