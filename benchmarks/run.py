@@ -5,6 +5,10 @@
     .venv/bin/python benchmarks/run.py --quick    # CI smoke run: wide tiny model only, one run each, < 2 min
                                                   # (TransformerLens memory at batch 1 only, a 2-point sweep)
 
+With a CUDA device the GPU section runs ``benchmarks/gpu_llama8b.py`` (Llama-3.1-8B shapes, bfloat16) and records
+it (``gpu`` in the JSON, a ``GPU`` table in the Markdown); without one the output says so: "GPU section: skipped,
+no CUDA device on this machine".
+
 Writes ``<out>/bench-<mode>-<timestamp>.json`` and ``.md`` and copies them to ``<out>/latest-<mode>.json|md``
 (``--out`` default: ``benchmarks/results``, git-ignored). See ``benchmarks/README.md`` for how to read them.
 
@@ -192,6 +196,54 @@ def scaling_section(runner: Runner, out_dir: Path, opts) -> dict | None:
             runner.defer(["benchmarks/local.py", "mem", *base, "--methods", ",".join(group)], None,
                          f"sweep mem {p['key']} {','.join(group)}", done)
     return {"points": results, "methods": sweep.METHODS}
+
+
+GPU_SKIPPED = "skipped, no CUDA device on this machine"
+
+
+def gpu_section(runner: Runner, out_dir: Path, opts) -> dict:
+    """``benchmarks/gpu_llama8b.py`` (Llama-3.1-8B shapes, bfloat16, batch 64 x 128; ``--quick``: 8 x 32, one
+    repeat) on the CUDA device when this machine has one, its JSON recorded; else a record that it was skipped."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log(f"GPU section: {GPU_SKIPPED}")
+        return {"skipped": GPU_SKIPPED}
+    log(f"GPU section: {torch.cuda.get_device_name(0)}")
+    folder = out_dir / "gpu"
+    command = [runner.python, "benchmarks/gpu_llama8b.py", "--out", str(folder)]
+    if opts.quick:
+        command += ["--batch", "8", "--seq", "32", "--repeats", "1", "--warmup", "1"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=runner.env(), cwd=ROOT, check=False,
+                              timeout=runner.timeout)
+    except subprocess.TimeoutExpired as error:
+        runner.failures.append({"label": "gpu", "command": command, "error": f"timeout after {error.timeout}s"})
+        return {"error": f"timeout after {error.timeout}s"}
+    path = folder / "gpu_llama8b.json"
+    if not path.exists():
+        runner.failures.append({"label": "gpu", "command": command, "returncode": proc.returncode,
+                                "stderr": (proc.stderr or "")[-3000:]})
+        return {"error": f"exit {proc.returncode}"}
+    return json.loads(path.read_text())
+
+
+def gpu_markdown(gpu: dict | None) -> list[str]:
+    """The GPU section's lines: its table, or the line saying it was skipped (or failed)."""
+    if not gpu:
+        return []
+    if gpu.get("skipped") or gpu.get("error"):
+        return [f"GPU section: {gpu.get('skipped') or 'FAILED, ' + gpu['error']}", ""]
+    shape = gpu["shape"]
+    lines = [f"## GPU: {gpu['device_name']}, torch {gpu['torch']}", "",
+             (f"Llama-3.1-8B shapes ({shape['num_hidden_layers']} layers, d_model {shape['hidden_size']}, d_mlp "
+             f"{shape['intermediate_size']}), {gpu['dtype']}, batch {gpu['batch']} x {gpu['seq']} tokens, median of "
+             f"{gpu['repeats']} runs; ratios to (2) in the same process."), "",
+             "| method | median ms | ratio to (2) | peak above loaded MB | max error |", "|---|---:|---:|---:|---:|"]
+    for name, r in gpu["results"].items():
+        lines.append(f"| {LABELS.get(name, name)} | {r['median_s'] * 1e3:.1f} | {_f(r.get('ratio_to_trace_logits'), '{:.3f}')} | "
+                     f"{_f(r.get('peak_above_loaded_mb'), '{:.0f}')} | {_f(r.get('max_error'), '{:.1e}')} |")
+    return [*lines, ""]
 
 
 def scaling_analysis(scaling: dict) -> dict:
@@ -451,6 +503,7 @@ def markdown(result: dict) -> str:
     import positions
 
     lines += positions.markdown(result.get("positions"), result["spec"])
+    lines += gpu_markdown(result.get("gpu"))
     if result.get("targets"):
         lines += ["## Targets (reported, not asserted)", "", "| target | where | value | bound | met |",
                   "|---|---|---:|---:|:---:|"]
@@ -479,7 +532,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tl-python", default=str(DEFAULT_TL_PYTHON),
                         help="the TransformerLens venv's python ('' to skip TransformerLens)")
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling,positions")
+                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling,positions,gpu")
     parser.add_argument("--parallel-mem", type=int, default=2, help="memory worker processes at a time")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     opts = parser.parse_args(argv)
@@ -537,6 +590,9 @@ def main(argv=None) -> int:
                                              warmup=opts.warmup, tokens=32 if opts.quick else positions.TOKENS)
                            if "positions" not in skip else None)
     sections["positions_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result["gpu"] = gpu_section(runner, out_dir, opts) if "gpu" not in skip else {"skipped": "skipped (--skip gpu)"}
+    sections["gpu_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     runner.run_deferred(opts.parallel_mem)
     sections["memory_s"] = time.perf_counter() - t0

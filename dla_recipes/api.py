@@ -27,7 +27,7 @@ from .present.stats import Stats, as_stats
 from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall, TopCall
-from .transport.batches import groups, offsets, plain, prepare, resolve_all
+from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
@@ -239,11 +239,13 @@ def attribute(
     if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
         target, contrast = resolve_all(model, prompts, target, contrast)
     stats = as_stats(reduce)
-    run_groups = (pair_groups if stats is not None and stats.paired else groups)(model, plan, prompts, batch_size)
+    ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
+    run_groups = (pair_groups(model, plan, prompts, batch_size) if stats is not None and stats.paired
+                  else groups(model, plan, prompts, batch_size, ids))
 
     def batches_for(target):
         return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
-                             position, rows=g) for g in run_groups)
+                             position, rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
 
     if target is None:  # the model's own top token at each site: one more forward pass reads it
         batches = batches_for(0)
@@ -251,8 +253,8 @@ def attribute(
                            remote=remote, progress=progress, intervene=intervene, desc="top tokens")
         if tops.error is not None:
             raise tops.error
-        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, ids), for_group(contrast, g, n), position,
-                                rows=g) for g, b, ids in zip(run_groups, batches, tops.readouts))
+        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n), position,
+                                rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
     else:
         batches = batches_for(target)
         check_grid(target, batches, "target")
@@ -353,8 +355,11 @@ def attribute_direction(
         raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
     directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
     stats = as_stats(reduce)
-    run_groups = (pair_groups if stats is not None and stats.paired else groups)(model, plan, prompts, batch_size)
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g) for g in run_groups)
+    ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
+    run_groups = (pair_groups(model, plan, prompts, batch_size) if stats is not None and stats.paired
+                  else groups(model, plan, prompts, batch_size, ids))
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g,
+                            ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
     if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
         raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
                          f"{max(b.n_columns for b in batches)}: give [batch, n_positions, {width}]")

@@ -172,15 +172,15 @@ def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torc
 _COMPONENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def components_of(plan, by: str, stop=None, sources=None, edits: bool = False) -> tuple[tuple, list[str]]:
-    """``(plan.components(...), their labels)``, built once per plan and arguments."""
+def components_of(plan, by: str, stop=None, sources=None, edits: bool = False):
+    """``(plan.components(...), their labels)``, built once per plan and arguments: a ``Components`` and its
+    ``Labels``, both made when read (immutable, so every result of the plan shares them)."""
     cache = _COMPONENTS.setdefault(plan, {})
     key = (by, stop, sources, edits)
     if key not in cache:
         components = plan.components(by, stop, sources, edits)
-        cache[key] = (components, tuple(components.labels()))
-    components, labels = cache[key]
-    return components, list(labels)
+        cache[key] = (components, components.labels())
+    return cache[key]
 
 
 def in_user_order(attr: Attribution, order: Sequence[int]) -> Attribution:

@@ -80,6 +80,11 @@ def linear_pullback(module, u: torch.Tensor, transposed: bool):
 
 
 DEDUPE_ROWS = 32  # from this many rows, equal rows of a pull-back are computed once
+# The fewest rows the distinct ones are computed as: a product of 1-3 rows takes another BLAS kernel (matrix-vector)
+# whose rows differ in their last bits from the batched product's, and the dedupe must change no number
+# (tests/test_fast_paths.py). Measured on the CPU (torch 2.13.0, float32, 64x64 .. 576x1536): each row of a 4-row
+# product equals the same row of a 48-row one bit for bit; of a 1- or 2-row product, not.
+DEDUPE_MIN = 4
 
 
 def rowwise(u: torch.Tensor, f):
@@ -91,4 +96,6 @@ def rowwise(u: torch.Tensor, f):
     distinct, inverse = torch.unique(u, dim=0, return_inverse=True)
     if distinct.shape[0] > u.shape[0] // 2:  # mostly distinct: sorting them bought nothing, skip the gather
         return f(u)
+    if distinct.shape[0] < DEDUPE_MIN:  # padded with copies of its first row: the batched product's kernel
+        distinct = torch.cat([distinct, distinct[:1].expand(DEDUPE_MIN - distinct.shape[0], -1)])
     return f(distinct)[inverse]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from ..args import Granularity, check_granularity
-from ..components import Components, Run
+from ..components import Components, Labels, Run
 from ..errors import InputError
 from ..families import Family, Heads, Term
 
@@ -154,9 +154,10 @@ class Plan:
                 runs.extend(planned.components(i, by, sources, edits))
         return Components(runs)
 
-    def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> list[str]:
+    def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> Labels:
         """The components' labels: ``embed``, ``L0.attn``, ``L0.mlp``, ... (``L3.H5`` / ``L3.N127`` / ``L3.E2`` /
-        ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest where a bias writes there)."""
+        ``L3.E2.N17`` / ``L3.H5.S2`` when split; a split term keeps its block label for its rest where a bias writes
+        there). A ``Labels`` sequence: each label is made when read."""
         return self.components(by, stop, sources).labels()
 
     def require(self, by: Granularity) -> Granularity:

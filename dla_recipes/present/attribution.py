@@ -11,11 +11,12 @@ counts them, ``attr.save(path)`` / ``Attribution.load(path)`` keep it between se
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ..components import Component, parse_labels
+from ..components import Component, Components, Labels, parse_labels
 from ..errors import InputError
 from . import storage
 
@@ -38,7 +39,8 @@ class Attribution:
     Attributes:
         values: ``[batch, n_components]`` float32, in ``labels`` order (forward order).
         labels: ``"embed"``, ``"L0.attn"``, ``"L0.mlp"``, ... and ``"L3.H5"`` / ``"L3.N127"`` at head / neuron
-            granularity (a block label then holds the term's rest: biases, post-norm bias; a split term with no bias
+            granularity: a list, or (from ``attribute``) a ``Labels`` sequence that makes each label when read
+            (``labels[j]``, ``labels.index(label)``, ``label in labels``, slices, equal to the list of them) (a block label then holds the term's rest: biases, post-norm bias; a split term with no bias
             anywhere has none).
         constant: ``[batch]``: the final norm's bias and ``lm_head``'s bias, read through the head (no component's).
         logit: ``[batch]``: the model's own logit (difference) that the parts sum to: before any soft-cap.
@@ -61,7 +63,7 @@ class Attribution:
     """
 
     values: torch.Tensor
-    labels: list[str]
+    labels: Sequence[str]
     constant: torch.Tensor
     logit: torch.Tensor
     output_logit: torch.Tensor
@@ -79,7 +81,7 @@ class Attribution:
 
     def __post_init__(self):
         if self.components is None:
-            self.components = parse_labels(self.labels)
+            self.components = self.labels.components if isinstance(self.labels, Labels) else parse_labels(self.labels)
 
     @property
     def total(self) -> torch.Tensor:
@@ -196,12 +198,13 @@ class Attribution:
             if kind not in KINDS:
                 raise InputError(f"kind={kind!r}: use one of {', '.join(map(repr, KINDS))}, or None for all")
             keep = KINDS[kind]
-            columns = torch.tensor([j for j, c in enumerate(self.components) if keep(c)], dtype=torch.long)
+            kept = [torch.arange(start, stop) for first, start, stop in spans(self.components) if keep(first)]
+            columns = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
             if not len(columns):
                 raise InputError(f"this attribution (by={self.by!r}) has no {kind} components"
                                  + ("" if kind in ("block", "shared", "edit") else f": attribute with by={kind!r}"))
         chosen = row[columns]
-        order = columns[torch.argsort(chosen.abs() if by_abs else chosen, descending=True)[:k]]
+        order = columns[largest(chosen.abs() if by_abs else chosen, k)]
         return pd.DataFrame(
             {
                 "component": [self.labels[i] for i in order.tolist()],
@@ -217,10 +220,11 @@ class Attribution:
         rest ``L3.attn`` where it has one), in forward order. ``blocks().values`` equals
         ``attribute(..., by="block").values``.
         """
-        keys = [Component(component.layer, component.term) for component in self.components]
-        blocks = list(dict.fromkeys(keys))
+        found = [(Component(first.layer, first.term), stop - start) for first, start, stop in spans(self.components)]
+        blocks = list(dict.fromkeys(key for key, _ in found))
         index = {key: n for n, key in enumerate(blocks)}
-        owner = torch.tensor([index[key] for key in keys], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.tensor([index[key] for key, _ in found], dtype=torch.long),
+                                        torch.tensor([size for _, size in found], dtype=torch.long))
         values = torch.zeros(len(self), len(blocks)).index_add_(1, owner, self.values)
         return replace(self, values=values, labels=[block.label for block in blocks], by="block",
                        components=tuple(blocks))
@@ -243,30 +247,31 @@ class Attribution:
     def sources(self) -> torch.Tensor:
         """``[batch, layers, heads, sources]``: a ``by="source"`` attribution's parts laid out by layer, head and
         own source position (``S0`` = the prompt's first token); NaN for heads not split by source."""
-        found = [(c.layer, c.index, c.source, j) for j, c in enumerate(self.components) if c.source is not None]
+        found = [(c.layer, c.index, c.source, start, stop) for c, start, stop in spans(self.components)
+                 if c.source is not None]  # a run's sources are consecutive: source .. source + stop - start - 1
         if not found:
             raise ValueError(f"this attribution has no per-source components (by={self.by!r}); use by='source'")
-        shape = [max(f[k] for f in found) + 1 for k in range(3)]
+        shape = [max(f[0] for f in found) + 1, max(f[1] for f in found) + 1, max(f[2] + f[4] - f[3] for f in found)]
         out = torch.full((len(self), *shape), float("nan"))
-        for layer, head, source, j in found:
-            out[:, layer, head, source] = self.values[:, j]
+        for layer, head, source, start, stop in found:
+            out[:, layer, head, source:source + stop - start] = self.values[:, start:stop]
         return out
 
     def grid(self, kind: str = "H") -> torch.Tensor:
         """``[batch, layers, parts]``: head (``kind="H"``) or neuron (``"N"``) values laid out by layer, NaN where
         absent. On a ``by="source"`` attribution, ``"H"`` sums each head's sources (``heads()``)."""
-        if kind == "H" and any(c.source is not None for c in self.components):
+        if kind == "H" and any(c.source is not None for c, _, _ in spans(self.components)):
             return self.heads().grid("H")
         part = {"H": "head", "N": "neuron"}.get(kind)
-        found = [(c.layer, c.index, j) for j, c in enumerate(self.components)
-                 if c.part == part and c.source is None and c.expert is None]
+        found = [(c.layer, c.index, start, stop) for c, start, stop in spans(self.components)
+                 if c.part == part and c.source is None and c.expert is None]  # a run's indices are consecutive
         if not found:
             raise ValueError(f"this attribution has no {'head' if kind == 'H' else 'neuron'} components (by={self.by!r})")
         layers = max(f[0] for f in found) + 1
-        parts = max(f[1] for f in found) + 1
+        parts = max(f[1] + f[3] - f[2] for f in found)
         out = torch.full((len(self), layers, parts), float("nan"))
-        for layer, part, j in found:
-            out[:, layer, part] = self.values[:, j]
+        for layer, first, start, stop in found:
+            out[:, layer, first:first + stop - start] = self.values[:, start:stop]
         return out
 
     def __repr__(self) -> str:
@@ -283,6 +288,28 @@ class Attribution:
         prompt = f", prompt {short(self.prompts[0], 40)}" if n == 1 and self.prompts else ""
         return (f"Attribution({self.family}, by={self.by!r}, {n} prompt{'s' if n != 1 else ''} x {len(self.labels)} "
                 f"components{prompt}, {what}, {logit}, {self.error_summary()})")
+
+
+def largest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of ``score`` ``[n]``, largest first (ties: the lower index first): a stable
+    descending argsort's first ``k``, without sorting all ``n`` (``by="neuron"`` on a large model: ~10^6)."""
+    n = score.numel()
+    if not 0 < k < n // 4:
+        return torch.argsort(score, descending=True, stable=True)[:k]
+    threshold = torch.topk(score, k).values[-1]
+    if torch.isnan(threshold):  # NaN ranks first in a descending sort: leave it to the sort
+        return torch.argsort(score, descending=True, stable=True)[:k]
+    candidates = torch.nonzero(score >= threshold).flatten()  # every index a stable sort could put in the first k
+    return candidates[torch.argsort(score[candidates], descending=True, stable=True)][:k]
+
+
+def spans(components):
+    """``(first component, start, stop)`` of each run of consecutive columns whose components differ only in their
+    ``index`` or ``source``, each one more than the last: a plan's ``Components`` by its runs (``by="neuron"``: a
+    few hundred, not a record per neuron), any other sequence one column at a time."""
+    if isinstance(components, Components):
+        return components.spans()
+    return ((component, j, j + 1) for j, component in enumerate(components))
 
 
 def row_index(rows, n: int) -> list[int]:

@@ -3,7 +3,8 @@
 The file holds plain data only (tensors, strings, numbers, lists, dicts), so ``torch.load(..., weights_only=True)``
 reads it: nothing in it runs code when loaded. The components are kept as they are, not re-read from the labels
 (a label does not say everything a ``Component`` does, e.g. a head's term): a plan's ``Components`` as its runs
-(``by="neuron"`` on a large model: a few hundred runs for ~10^6 columns), any other sequence one record a column.
+(``by="neuron"`` on a large model: a few hundred runs for ~10^6 columns), any other sequence one record a column;
+the labels are stored as ``None`` when they are those components' own (``Labels``), rebuilt from them when read.
 
     {"format": "dla_recipes.Attribution", "version": 1, "fields": {...}, "components": {"runs": [...]}}
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..components import Component, Components, Run
+from ..components import Component, Components, Labels, Run
 from ..errors import InputError
 
 FORMAT = "dla_recipes.Attribution"
@@ -30,8 +31,12 @@ VERSION = 1
 
 def state_of(attr) -> dict:
     """The ``torch.save``-able state of an ``Attribution`` (plain data, see the module docstring)."""
-    fields = {f.name: plain(getattr(attr, f.name)) for f in dataclasses.fields(attr) if f.name != "components"}
+    fields = {f.name: plain(getattr(attr, f.name)) for f in dataclasses.fields(attr)
+              if f.name not in ("components", "labels")}
     components = attr.components
+    labels = attr.labels  # None: the components' own labels (a plan's ``Labels``), rebuilt when read
+    own = isinstance(labels, Labels) and isinstance(components, Components) and labels.components == components
+    fields["labels"] = None if own else list(labels)
     if isinstance(components, Components):
         stored = {"runs": [[encode(field) for field in run] for run in components.runs]}
     else:
@@ -58,6 +63,8 @@ def fields_of(state) -> dict:
         fields["components"] = Components([Run(*(decode(field) for field in run)) for run in stored["runs"]])
     else:
         fields["components"] = tuple(Component(*item) for item in stored["items"])
+    if fields.get("labels") is None:
+        fields["labels"] = Labels(fields["components"])
     return fields
 
 
@@ -130,6 +137,8 @@ def same(a, b) -> bool:
         return torch.equal(a, b) or a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, Labels) or isinstance(b, Labels):  # a plan's labels: compared by their runs where they can be
+        return a == b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):

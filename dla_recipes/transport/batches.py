@@ -29,7 +29,7 @@ from ..args import as_index, check_position, check_prompts, check_text, per_prom
 from ..errors import InputError, UnknownFamilyError
 from ..families import family_of, text_config
 from ..trace.targets import LinearTarget
-from .sites import place, targets_of, token_problems, which
+from .sites import place, remembered, targets_of, token_problems, which
 
 Token = str | int
 
@@ -95,7 +95,7 @@ def resolve_token(model, token: Token, role: str = "target") -> int:
     token = check_text(token, role)
     if token == "":
         raise InputError(f"{role} is an empty string: give one token, e.g. ' Paris'")
-    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    ids = remembered(tokenizer, ("ids", token), lambda: list(tokenizer(token, add_special_tokens=False)["input_ids"]))
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
         spaced = spaced_id(tokenizer, token)
@@ -161,7 +161,7 @@ def spaced_id(tokenizer, word: str) -> int | None:
     first)."""
     if not word or not word[0].isalpha():
         return None
-    ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+    ids = remembered(tokenizer, ("ids", " " + word), lambda: list(tokenizer(" " + word, add_special_tokens=False)["input_ids"]))
     return int(ids[0]) if len(ids) == 1 else None
 
 
@@ -245,13 +245,15 @@ def check_single_pass(model, seq: int, rows: Sequence[int]) -> None:
         )
 
 
-def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[int] | None = None) -> Batch:
+def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[int] | None = None,
+            ids: Sequence[Sequence[int]] | None = None) -> Batch:
     """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens
     (``args.check_position``: an int, a list, a slice, ``"all"``); ``prompts`` are texts or token ids
     (``args.check_prompts``).
 
     ``rows``: each prompt's index in the user's list (a batch of a larger call), so that errors name the prompt
-    the user knows; default ``0..n-1``.
+    the user knows; default ``0..n-1``. ``ids``: each prompt's own token ids, already tokenized as this function
+    would (``token_ids``, or an earlier batch's ``Batch.ids``): they are padded, not tokenized again.
     """
     prompts = check_prompts(prompts)
     rows = list(rows) if rows is not None else list(range(len(prompts)))
@@ -260,7 +262,10 @@ def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[i
             raise InputError(f"prompt {i} is empty: give it some text to attribute")
     position = check_position(position)
     tokenizer = tokenizer_of(model)
-    if all(isinstance(p, str) for p in prompts):
+    if ids is not None and all(isinstance(p, str) for p in prompts):  # tokenized once already: pad them
+        encoding = tokenizer.pad({"input_ids": [list(i) for i in ids]}, return_tensors="pt", padding=True)
+        texts = prompts
+    elif all(isinstance(p, str) for p in prompts):
         encoding = tokenizer(prompts, return_tensors="pt", padding=True)
         texts = prompts
     else:  # token ids, as given (a text among them is tokenized as nnsight would)
@@ -353,11 +358,25 @@ def offsets(batch: Batch) -> torch.Tensor:
     return batch.positions - torch.tensor(batch.own_positions, dtype=torch.long)
 
 
-def groups(model, plan, prompts: list, batch_size: int | None) -> list[list[int]]:
-    """The prompts' indices per forward pass: never a padded batch on a padding-unsafe family."""
+def groups(model, plan, prompts: list, batch_size: int | None, ids: Sequence | None = None) -> list[list[int]]:
+    """The prompts' indices per forward pass: never a padded batch on a padding-unsafe family (grouped by the
+    length of ``ids``, each prompt's token ids, ``token_ids``: tokenized here when not given)."""
     safe = plan.family.padding_safe
-    lengths = [0] * len(prompts) if safe else token_lengths(model, prompts)
+    ids = None if safe else token_ids(model, plan, prompts) if ids is None else ids
+    lengths = [len(i) for i in ids] if ids is not None else [0] * len(prompts)
     return group_prompts(lengths, batch_size, safe)
+
+
+def token_ids(model, plan, prompts: Sequence) -> list[list[int]] | None:
+    """Each prompt's own token ids as ``prepare`` tokenizes it, in ONE tokenizer call, on a padding-unsafe family:
+    grouped by length (``groups``), then padded into each batch (``prepare(ids=...)``). None on a padding-safe
+    family (each batch is tokenized once, in ``prepare``) or without a tokenizer (``prepare`` raises)."""
+    tokenizer = model.tokenizer
+    if plan.family.padding_safe or tokenizer is None:
+        return None
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenizer(texts)["input_ids"] if texts else [])
+    return [list(next(encoded)) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def group_prompts(lengths: Sequence[int], batch_size: int | None, padding_safe: bool) -> list[list[int]]:
@@ -377,10 +396,3 @@ def group_prompts(lengths: Sequence[int], batch_size: int | None, padding_safe: 
         groups = list(by_length.values())
     return [group[i:i + size] for group in groups for i in range(0, len(group), size)]
 
-
-def token_lengths(model, prompts: Sequence[str]) -> list[int]:
-    """Each prompt's own token count, as ``prepare`` tokenizes it (special tokens included)."""
-    tokenizer = model.tokenizer
-    if tokenizer is None:
-        return [0] * len(prompts)  # prepare raises the clear error
-    return [len(tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts]

@@ -6,13 +6,15 @@ the slice takes from each prompt (``"all"``: column ``k`` is own position ``k``)
 others has its last columns masked. ``target="next"`` keeps the sites with a token after them. ``targets_of``
 resolves ``target`` / ``contrast`` per site: a token (string or id), a weighted set ``{" Paris": 1.0, "Paris":
 1.0}``, ``contrast="mean"``, one per prompt (a list), or one per prompt and position (``[batch, n_positions]``).
-Every bad position and token of a batch is named in one ``InputError``.
+Every bad position and token of a batch is named in one ``InputError``. ``remembered``: what a tokenizer made of a
+token (its id, its spaced form's), kept per tokenizer so a loop of calls asks it once.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,22 @@ import torch
 from ..args import Position
 from ..errors import InputError
 from ..trace.targets import LinearTarget
+
+# tokenizer -> {(what, text, vocabulary size): value}: a token's id (``batches.resolve_token``), its spaced form's
+# (``batches.spaced_id``). The size is the tokenizer's own (``len``), so a token added later is looked up anew.
+_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remembered(tokenizer, key: tuple, compute):
+    """``compute()`` for ``key`` of this tokenizer, computed once (a raised error is not kept)."""
+    try:
+        cache = _REMEMBERED.setdefault(tokenizer, {})
+        key = (*key, len(tokenizer))
+    except TypeError:  # a tokenizer without weak references or a length: ask it every time
+        return compute()
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""The fast paths change no number: every tiny family's parts are bit-identical with and without them.
+
+A fast path is work skipped or shared because it cannot change the answer: the pull-back of equal rows computed
+once (``math.linalg.DEDUPE_ROWS``), the prompts tokenized once and padded into each batch (``token_ids`` /
+``prepare(ids=)``), a tokenizer's answers kept (``transport.sites.remembered``), the ``logits_to_keep`` signature
+check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``). Each is
+switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
+model's own logit (the head runs on the same positions either way).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import fast_sweep, tiny_model
+
+import dla_recipes
+from dla_recipes import api
+from dla_recipes.math import linalg
+from dla_recipes.plan import build_plan
+from dla_recipes.testing import tiny
+from dla_recipes.transport import batches, session
+
+# Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
+# padding-unsafe ones group prompts of one length: the same single batch), one target at every site.
+PROMPTS = [" ".join(f"w{5 + (k * 7 + j) % 90}" for j in range(12)) for k in range(4)]
+SPLITS = ("head", "neuron")
+
+
+def slow_paths(monkeypatch) -> None:
+    """Switch every fast path off (see the module docstring) until ``monkeypatch`` undoes it."""
+    monkeypatch.setattr(linalg, "DEDUPE_ROWS", 10**9)  # every pull-back row by row's own product
+    monkeypatch.setattr(api, "token_ids", lambda model, plan, prompts: None)  # group and prepare tokenize anew
+    monkeypatch.setattr(batches, "remembered", lambda tokenizer, key, compute: compute())
+    monkeypatch.setattr(session, "keeps_logits",
+                        lambda model: "logits_to_keep" in inspect.signature(model._module.forward).parameters)
+    build_plan.cache_clear()
+
+
+def call(model, by: str):
+    return dla_recipes.attribute(model, PROMPTS, "w20", position="all", by=by)
+
+
+@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
+def test_fast_paths_change_no_number(family, monkeypatch):
+    model = tiny_model(family)
+    fast = {by: call(model, by).sites for by in SPLITS}
+    slow_paths(monkeypatch)
+    for by in SPLITS:
+        slow = call(model, by).sites
+        for field in ("values", "constant", "logit", "output_logit"):
+            a, b = getattr(fast[by], field), getattr(slow, field)
+            assert torch.equal(a, b), (family, by, field, float((a - b).abs().max()))
+        assert fast[by].labels == slow.labels
+
+
+def test_the_dedupe_is_exercised(monkeypatch):
+    """The sites above do reach the pull-back dedupe (else the test above would compare a path with itself)."""
+    seen = []
+    original = linalg.rowwise
+
+    def spy(u, f):
+        seen.append(u.shape[0] >= linalg.DEDUPE_ROWS and torch.unique(u, dim=0).shape[0] <= u.shape[0] // 2)
+        return original(u, f)
+
+    monkeypatch.setattr(linalg, "rowwise", spy)
+    call(tiny_model("llama"), "head")
+    assert seen and any(seen)
