@@ -240,7 +240,7 @@ def attribute(
         target, contrast = resolve_all(model, prompts, target, contrast)
     stats = as_stats(reduce)
     ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
-    run_groups = (pair_groups(model, plan, prompts, batch_size) if stats is not None and stats.paired
+    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
                   else groups(model, plan, prompts, batch_size, ids))
 
     def batches_for(target):
@@ -356,7 +356,7 @@ def attribute_direction(
     directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
     stats = as_stats(reduce)
     ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
-    run_groups = (pair_groups(model, plan, prompts, batch_size) if stats is not None and stats.paired
+    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
                   else groups(model, plan, prompts, batch_size, ids))
     batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g,
                             ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)

@@ -15,20 +15,22 @@ import torch
 
 from ..errors import InputError
 from ..trace.stats import StatsCall
-from .batches import group_prompts, token_lengths
+from .batches import group_prompts, token_ids
 
 SAMPLE_STRIDE = 2**32
 
 
-def pair_groups(model, plan, prompts: list, batch_size: int | None) -> list[list[int]]:
+def pair_groups(model, plan, prompts: list, batch_size: int | None, ids=None) -> list[list[int]]:
     """The prompts' indices per forward pass with each pair ``(i, i + n/2)`` in one: ``batch_size`` counts prompts
-    (two a pair). On a padding-unsafe family the two prompts of a pair must have one token count."""
+    (two a pair). On a padding-unsafe family the two prompts of a pair must have one token count (``ids``: each
+    prompt's token ids, ``batches.token_ids``, tokenized here when not given)."""
     n = len(prompts)
     if n % 2:
         raise InputError(f"Stats(paired=True) takes clean + corrupted prompts, two halves of one length: got {n}")
     half = n // 2
     safe = plan.family.padding_safe
-    lengths = [0] * n if safe else token_lengths(model, prompts)
+    ids = None if safe else token_ids(model, plan, prompts) if ids is None else ids
+    lengths = [0] * n if ids is None else [len(i) for i in ids]
     if not safe:
         differ = [i for i in range(half) if lengths[i] != lengths[i + half]]
         if differ:
