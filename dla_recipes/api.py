@@ -236,15 +236,17 @@ def attribute(
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
     split = None
     if by == "source":
-        layers, top = source_split.parse(plan, sources)
+        layers, top, upstream = source_split.parse(plan, sources)
         source_split.check(model, plan, layers)
+        if upstream is not None:
+            source_split.check_upstream(model, plan, layers)
         heads = None
         if top is not None:  # one more forward pass picks the heads to split
             heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
                               batch_size=batch_size, progress=progress, tolerance=tolerance, intervene=intervene)
             heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
-        split = source_split.choose(plan, layers, top, count, heads)
+        split = source_split.choose(plan, layers, top, count, heads, upstream)
     calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
                             offsets(b) if by == "source" else None, intervene is not None, b.rows) for b in batches)
     layout = layout_of(batches, run_groups, model.tokenizer)

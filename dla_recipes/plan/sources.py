@@ -35,10 +35,11 @@ from collections.abc import Sequence
 
 from ..errors import DLAError, InputError
 from ..families import Heads, text_config
-from .build import has_path
+from .build import has_path, module_at
 from .plan import Plan, Sources
 
-OPTIONS = ("layers", "top_heads")
+OPTIONS = ("layers", "top_heads", "upstream")
+UPSTREAM = ("block",)  # sources=dict(upstream=...): what splits each (head, source) part (plan.Sources.upstream)
 
 
 def attention_implementation(model) -> str | None:
@@ -85,12 +86,17 @@ def head_layers(plan: Plan) -> list[int]:
     return [i for i, terms in enumerate(plan.layers) if any(p.term.splits_heads and p.parts for p in terms)]
 
 
-def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
-    """``(layers, top_heads)`` from the user's ``sources`` dict (None: every head of every attention block)."""
+def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None, str | None]:
+    """``(layers, top_heads, upstream)`` from the user's ``sources`` dict (None: every head of every attention
+    block, not split upstream)."""
     sources = dict(sources or {})
     unknown = set(sources) - set(OPTIONS)
     if unknown:
         raise InputError(f"sources has unknown keys {sorted(unknown)}: use {', '.join(OPTIONS)}")
+    upstream = sources.get("upstream")
+    if upstream is not None and upstream not in UPSTREAM:
+        raise InputError(f"sources['upstream'] must be one of {', '.join(map(repr, UPSTREAM))} (or None), "
+                         f"got {upstream!r}")
     all_layers = head_layers(plan)
     layers = sources.get("layers")
     if layers is None:
@@ -107,25 +113,59 @@ def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
     top = sources.get("top_heads")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
         raise InputError(f"sources['top_heads'] must be a positive int, got {top!r}")
-    return list(layers), top
+    return list(layers), top, upstream
 
 
 def _bad_layer(i, n):
     raise InputError(f"sources['layers'] has block {i}, outside this {n}-block model")
 
 
-def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attribution=None) -> Sources:
+def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attribution=None,
+           upstream: str | None = None) -> Sources:
     """The ``Sources`` spec: every head of ``layers``, or the ``top`` heads among them ranked by their largest
-    ``|part|`` over the prompts in ``head_attribution`` (an ``attribute(..., by="head")`` of the same prompts)."""
+    ``|part|`` over the prompts in ``head_attribution`` (an ``attribute(..., by="head")`` of the same prompts);
+    ``upstream``: each (head, source) part split by upstream component (``Sources.upstream``)."""
     if top is None and layers == head_layers(plan):
-        return Sources(count)
+        return Sources(count, upstream=upstream)
     if top is None:
         return Sources(count, frozenset((i, h) for i in layers for p in plan.layers[i] if p.term.splits_heads
-                                        for h in range(p.parts)))
+                                        for h in range(p.parts)), upstream)
     ranked = []
     wanted = set(layers)
     for j, component in enumerate(head_attribution.components):
         if component.part == "head" and component.layer in wanted:
             ranked.append((float(head_attribution.values[:, j].abs().max()), component.layer, component.index))
     ranked.sort(reverse=True)
-    return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]))
+    return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]), upstream)
+
+
+def check_upstream(model, plan: Plan, layers: Sequence[int]) -> None:
+    """``sources=dict(upstream="block")``: raise a ``DLAError`` unless the stream each split block's heads read is
+    the plain sum of the writes before it (no per-block scale, stream norm, stream gate or parallel streams) and
+    their values are linear in it (one projection of the stream through the block's frozen input norm, or of the
+    stream itself: no value norm)."""
+    family = plan.family.name
+    why = None
+    if plan.family.layer_scale is not None:
+        why = f"a per-block scale ({plan.family.layer_scale}) multiplies the stream after each block"
+    for i, terms in enumerate(plan.layers[:max(layers, default=-1) + 1]):
+        for planned in terms:
+            term, stream = planned.term, planned.term.stream
+            acting = [name for name in ("scale", "bias", "multiplier", "norm", "norm_after")
+                      if getattr(stream, name) is not None]
+            if why is None and (acting or term.hyper is not None or planned.stream_multiplier != 1.0):
+                why = (f"block {i}'s {term.name} acts on the stream itself ({', '.join(acting) or 'hyper-connections'})"
+                       ", so the stream is not the sum of what the components wrote")
+            if why is None and term.write.outer_norm is not None:
+                why = f"block {i}'s {term.name} is written through a norm shared with another term ({term.write.outer_norm})"
+    for i in layers:
+        for planned in plan.layers[i]:
+            if why is None and planned.mode("source") == "sources":
+                module = planned.term.split.values.rsplit(".", 1)[0]
+                weight = getattr(module_at(model.layers[i], module), "weight", None)
+                if planned.kind != "linear" or weight is None or len(weight.shape) != 2:
+                    why = (f"block {i}'s values ({planned.term.split.values}) are not one linear projection of the "
+                           "normed stream (a value norm, or a convolution over positions)")
+    if why is not None:
+        raise DLAError(f"family {family!r}: sources=dict(upstream=...) is not supported: {why}. "
+                       "Use by='source' without upstream")

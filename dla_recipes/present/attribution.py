@@ -233,7 +233,7 @@ class Attribution:
             raise ValueError(f"heads() sums a by='source' attribution's sources; this one is by={self.by!r}")
         names, owner = [], []
         for component in self.components:
-            name = component._replace(source=None)
+            name = component._replace(source=None, upstream=None)
             if not names or names[-1] != name or component.source is None:
                 names.append(name)
             owner.append(len(names) - 1)
@@ -248,8 +248,9 @@ class Attribution:
             raise ValueError(f"this attribution has no per-source components (by={self.by!r}); use by='source'")
         shape = [max(f[k] for f in found) + 1 for k in range(3)]
         out = torch.full((len(self), *shape), float("nan"))
-        for layer, head, source, j in found:
-            out[:, layer, head, source] = self.values[:, j]
+        for layer, head, source, j in found:  # a source split by upstream component (``<-L3.mlp``): their sum
+            seen = out[:, layer, head, source]
+            out[:, layer, head, source] = self.values[:, j] + torch.nan_to_num(seen, nan=0.0)
         return out
 
     def grid(self, kind: str = "H") -> torch.Tensor:

@@ -26,11 +26,13 @@ from .pattern import per_prompt
 @dataclass(frozen=True)
 class SourceSplit:
     """``by="source"`` in one block: the plan's ``Sources`` (which heads split, into how many sources), the block,
-    and ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence."""
+    ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence, and ``paths``: with
+    ``Sources.upstream``, what every component wrote at the sources (each (head, source) part split by them)."""
 
     sources: Sources
     layer: int
     offsets: torch.Tensor
+    paths: object = None  # sources=dict(upstream=...): the writes at the sources (``trace.kinds.paths.Paths``)
 
     def heads(self, count: int) -> tuple[bool, ...]:
         """Which of the block's ``count`` heads are split by source."""
@@ -137,6 +139,12 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
     per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
     index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
     inside = index < keys
-    own = per_source.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+
+    def at_sources(tensor):  # [batch, heads, padded keys] -> [batch, heads, count] at each prompt's own sources
+        return tensor.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+
+    own = at_sources(per_source)
+    if split.paths is not None:  # each (head, source) part split by the components that wrote the source
+        own = split.paths.split(layer, planned, split.layer, u, at_sources(pattern), own, reads.rows)
     pieces = [own[:, h] if heads_split[h] else whole[:, h:h + 1] for h in range(heads)]
     return torch.cat(pieces, -1), rest + bias, None
