@@ -163,9 +163,13 @@ def check_upstream(model, plan: Plan, layers: Sequence[int]) -> None:
             if why is None and planned.mode("source") == "sources":
                 module = planned.term.split.values.rsplit(".", 1)[0]
                 weight = getattr(module_at(model.layers[i], module), "weight", None)
+                attention = planned.term.split.projection.rsplit(".", 1)[0]
                 if planned.kind != "linear" or weight is None or len(weight.shape) != 2:
                     why = (f"block {i}'s values ({planned.term.split.values}) are not one linear projection of the "
                            "normed stream (a value norm, or a convolution over positions)")
+                elif planned.term.output.rsplit(".", 1)[0].startswith(attention + "."):
+                    why = (f"block {i}'s attention write ({planned.term.output}) is read inside the attention module, "
+                           "which returns its pattern only after it, so the write cannot be read in forward order")
     if why is not None:
         raise DLAError(f"family {family!r}: sources=dict(upstream=...) is not supported: {why}. "
                        "Use by='source' without upstream")

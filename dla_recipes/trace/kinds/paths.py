@@ -59,12 +59,10 @@ class Paths:
         self.errors: list = []
 
     def gather(self, value: torch.Tensor) -> torch.Tensor:
-        """``[batch, count, d_model]`` float32 of a ``[batch, pos, d_model]`` value at the source positions."""
-        keys = value.shape[1]
-        index = self.index.to(value.device)
-        inside = (index < keys)[..., None]
-        picked = value.gather(1, index.clamp(max=keys - 1)[..., None].expand(-1, -1, value.shape[-1]))
-        return picked.float() * inside
+        """``[batch, count, d_model]`` float32 of a ``[batch, pos, d_model]`` value at the source positions (a source
+        past the padded length reads the last position: its pattern weight is zero)."""
+        index = self.index.to(value.device).clamp(max=value.shape[1] - 1)
+        return value.gather(1, index[..., None].expand(-1, -1, value.shape[-1])).float()
 
     def collect(self, value: torch.Tensor) -> None:
         """Keep a write ``[batch, pos, d_model]`` at the source positions."""
