@@ -191,6 +191,7 @@ def attribute(
             only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
+            ``upstream="block"``: each source split by the component that wrote its stream (``L3.H5.S2<-L1.mlp``).
         reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
             of the span's logits, exact as each position is).
         blocking: ``False`` (with ``remote``): submit the jobs and return at once a ``RemoteJob`` handle:

@@ -23,6 +23,10 @@ them (``trace.kinds.pattern``); a module without that call, or with inputs it do
 - refused: Falcon (its own fused attention code), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention),
   ZAYA, RecurrentGemma (no value tensor in the family table), Zamba2 (no heads).
 
+``sources=dict(upstream="block")`` splits each (head, source) part further by the component that wrote the source
+position's stream (``trace.kinds.paths``); ``check_upstream`` refuses the families whose stream is not the plain sum
+of the components' writes, or whose values are not one projection of it through the frozen input norm.
+
 Each split block's heads are rebuilt from the pattern (read or recomputed) and values in the trace, ``sum_s A v``
 against the output projection's real input; the largest relative gap is reported with the norm fit errors
 (``attr.diagnostics["norm_fit_error"]``), and a gap past its tolerance is refused by the self-check, so a wrong
