@@ -29,9 +29,12 @@ REFERENCE = ["llama", "qwen2", "gemma"]
 # Refused with a reason (plan.sources.check_upstream): a per-block scale (gemma4's layer_scalar), a gate on the
 # stream (doge), a write read inside the attention module before its pattern (bloom).
 REFUSED = ["gemma4_moe", "gemma4_moe_ple", "doge", "bloom"]
-# Measured (this file's first runs): the hooked reference agrees to <= 3.0e-8 (llama, qwen2, gemma; parts up to
-# ~0.3); the path parts sum to the by="source" part to <= 6.7e-8 over every supported tiny family.
-SAME = 1e-6
+# Measured (this file's first runs), in units of max(1, the largest part): the hooked reference agrees to <= 3.5e-8
+# on the tiny families (llama, qwen2, gemma; parts up to 0.05) and 4.1e-7 on SmolLM2 (parts up to 0.76); the path
+# parts sum to the by="source" part to <= 6.7e-8 over every supported tiny family (olmo_hybrid); a padded batch
+# against each prompt alone 3.7e-8; sdpa against eager 6.7e-8 (gemma3). Each allowed ~2x.
+SAME = 1.5e-7
+REAL = 1e-6
 
 
 def rms_scale(norm, x: torch.Tensor) -> torch.Tensor:
@@ -118,13 +121,13 @@ def test_paths_match_an_ablation_on_the_plain_forward(family):
                                      if c.source is not None and c.upstream is None]].abs().max()) > 1e-4
 
 
-def same_as_source(model, attr, source, what: str) -> None:
+def same_as_source(model, attr, source, what: str, same: float = SAME) -> None:
     """The path parts sum to the same call's ``L.H.S`` parts without upstream, and the heads to its heads."""
     assert attr.heads().labels == source.heads().labels, what
     grid, plain = attr.sources().nan_to_num(), source.sources().nan_to_num()
     scale = max(1.0, float(plain.abs().max()))
-    assert float((grid - plain).abs().max()) <= SAME * scale, (what, float((grid - plain).abs().max()))
-    assert float((attr.heads().values - source.heads().values).abs().max()) <= SAME * scale, what
+    assert float((grid - plain).abs().max()) <= same * scale, (what, float((grid - plain).abs().max()))
+    assert float((attr.heads().values - source.heads().values).abs().max()) <= same * scale, what
 
 
 SUPPORTED = [f for f in tiny.FAMILIES if f not in REFUSED]
@@ -180,7 +183,7 @@ def test_padded_batch_equals_each_prompt_alone():
     for b, prompt in enumerate(PROMPTS):
         alone = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
         index = [batch.labels.index(label) for label in alone.labels]
-        assert torch.allclose(batch.values[b, index], alone.values[0], atol=1e-6)
+        assert torch.allclose(batch.values[b, index], alone.values[0], atol=SAME, rtol=0)
         rest = sorted(set(range(len(batch.labels))) - set(index))
         assert bool((batch.values[b, rest] == 0).all())  # sources this prompt does not have
 
@@ -197,7 +200,7 @@ def test_several_positions_sdpa_and_eager(family):
     ours = dla_recipes.attribute(sdpa, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
     theirs = dla_recipes.attribute(eager, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
     assert ours.labels == theirs.labels
-    assert torch.allclose(ours.values, theirs.values, atol=SAME)
+    assert torch.allclose(ours.values, theirs.values, atol=SAME, rtol=0)
 
 
 def test_intervene():
@@ -241,7 +244,7 @@ def test_real_smollm2():
     options = {"upstream": "block", "layers": [-1]}
     attr = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source", sources=options)
     source = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source", sources={"layers": [-1]})
-    same_as_source(model, attr, source, "smollm2")
+    same_as_source(model, attr, source, "smollm2", REAL)
     ids = tuple(model.tokenizer(t)["input_ids"][0] for t in (" Paris", " Rome"))
     encoded = model.tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
@@ -249,7 +252,7 @@ def test_real_smollm2():
     own = float(logits[ids[0]] - logits[ids[1]])
     assert abs(float(attr.values.sum() + attr.constant[0]) - own) <= 1e-4 * max(1.0, abs(own))
     gap, size = largest_gap(attr, *reference_paths(model, prompt, ids), 0, len(model.layers) - 1)
-    assert size > 1e-3 and gap <= SAME * max(1.0, size), gap
+    assert size > 1e-3 and gap <= REAL * max(1.0, size), gap
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
