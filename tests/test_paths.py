@@ -234,6 +234,24 @@ def test_remote_equals_local(tmp_path):
         assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
 
 
+@pytest.mark.server
+def test_remote_ndif_like_equals_local(tmp_path):
+    """As NDIF runs a request (bfloat16, sdpa, under autocast): the recipe's products stay float32 (``exact``), so
+    remote equals the same local model under the same bracket bit for bit."""
+    from conftest import serve_tiny, single_threaded
+
+    with serve_tiny(tmp_path, ("llama",), ndif=True) as server:
+        options = {"upstream": "block", "layers": [-1]}
+        with server.client():
+            remote = dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
+                                           by="source", remote=True, sources=options)
+        with single_threaded(), server.bracket():
+            local = dla_recipes.attribute(server.local_model("llama", dispatch=True), PROMPTS, TARGET,
+                                          contrast=CONTRAST, by="source", sources=options)
+        assert remote.labels == local.labels and any("<-" in label for label in remote.labels)
+        assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+
+
 @pytest.mark.real
 @pytest.mark.slow  # loads SmolLM2: ~10 s of CPU
 def test_real_smollm2():
