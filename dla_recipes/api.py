@@ -191,7 +191,8 @@ def attribute(
             only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
-            ``upstream="block"``: each source split by the component that wrote its stream (``L3.H5.S2<-L1.mlp``).
+            ``upstream="block"`` / ``"head"``: each source split by the component that wrote its stream
+            (``L3.H5.S2<-L1.mlp``; ``"head"``: upstream heads split, ``L3.H5.S2<-L1.H0``).
         reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
             of the span's logits, exact as each position is).
         blocking: ``False`` (with ``remote``): submit the jobs and return at once a ``RemoteJob`` handle:
@@ -240,7 +241,7 @@ def attribute(
         layers, top, upstream = source_split.parse(plan, sources)
         source_split.check(model, plan, layers)
         if upstream is not None:
-            source_split.check_upstream(model, plan, layers)
+            source_split.check_upstream(model, plan, layers, upstream)
         heads = None
         if top is not None:  # one more forward pass picks the heads to split
             heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,

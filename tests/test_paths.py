@@ -44,10 +44,11 @@ def rms_scale(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_paths(model, prompt: str, ids: tuple | None = None) -> tuple[dict, torch.Tensor]:
+def reference_paths(model, prompt: str, ids: tuple | None = None, by_head: bool = False) -> tuple[dict, torch.Tensor]:
     """``({label: [heads, length] part}, rest [heads, length])`` of the last block's heads at the prompt's last
     token, by ablation on a plain forward of the prompt alone (see the module docstring); ``ids``: the target's and
-    the contrast's token ids (default TARGET's and CONTRAST's)."""
+    the contrast's token ids (default TARGET's and CONTRAST's); ``by_head``: each upstream head's write ablated
+    alone (``L1.H0``: its slice of ``o_proj``'s input times its columns of ``o_proj``'s weight), not the attention's."""
     hf = model._module
     blocks = hf.model.layers
     last = blocks[-1]
@@ -59,6 +60,7 @@ def reference_paths(model, prompt: str, ids: tuple | None = None) -> tuple[dict,
              hf.model.norm.register_forward_hook(lambda m, a, out: seen.__setitem__("final", (a[0], out)))]
     for j, block in enumerate(blocks[:-1]):
         hooks.append(block.self_attn.register_forward_hook(lambda m, a, out, j=j: seen.__setitem__(f"L{j}.attn", out[0])))
+        hooks.append(block.self_attn.o_proj.register_forward_hook(lambda m, a, out, j=j: seen.__setitem__(f"z{j}", a[0])))
         hooks.append(block.mlp.register_forward_hook(lambda m, a, out, j=j: seen.__setitem__(f"L{j}.mlp", out)))
     with contextlib.ExitStack() as stack:  # the hooks removed whatever happens
         for hook in hooks:
@@ -83,7 +85,15 @@ def reference_paths(model, prompt: str, ids: tuple | None = None) -> tuple[dict,
 
     real = v_proj(norm(x))
     parts = {}
-    for label in ["embed"] + [f"L{j}.{t}" for j in range(len(blocks) - 1) for t in ("attn", "mlp")]:
+    for j, block in enumerate(blocks[:-1]):  # each upstream head's write: its slice of o_proj's input, its columns
+        weight = block.self_attn.o_proj.weight.float()
+        for k in range(heads):
+            cut = slice(k * head_dim, (k + 1) * head_dim)
+            seen[f"L{j}.H{k}"] = (seen[f"z{j}"][..., cut].float() @ weight[:, cut].T)
+    def writers(j):  # block j's upstream components, in forward order
+        return ([f"L{j}.H{k}" for k in range(heads)] if by_head else [f"L{j}.attn"]) + [f"L{j}.mlp"]
+
+    for label in ["embed"] + [c for j in range(len(blocks) - 1) for c in writers(j)]:
         c = seen[label][0].float()
         ablated = x - c
         held = norm(ablated) * rms_scale(norm, x) / rms_scale(norm, ablated)  # the norm at its real scale
@@ -105,14 +115,17 @@ def largest_gap(attr, parts: dict, rest: torch.Tensor, b: int, layer: int) -> tu
     return worst, largest
 
 
+@pytest.mark.parametrize("upstream", ["block", "head"])
 @pytest.mark.parametrize("family", REFERENCE)
-def test_paths_match_an_ablation_on_the_plain_forward(family):
+def test_paths_match_an_ablation_on_the_plain_forward(family, upstream):
     model = eager_model(family)
-    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
-    assert_parts_are_the_models(model, attr, PROMPTS, f"{family} by=source upstream=block")
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source",
+                                 sources={"upstream": upstream})
+    assert_parts_are_the_models(model, attr, PROMPTS, f"{family} by=source upstream={upstream}")
     worst, largest = 0.0, 0.0
     for b, prompt in enumerate(PROMPTS):
-        gap, size = largest_gap(attr, *reference_paths(model, prompt), b, len(model.layers) - 1)
+        reference = reference_paths(model, prompt, by_head=upstream == "head")
+        gap, size = largest_gap(attr, *reference, b, len(model.layers) - 1)
         worst, largest = max(worst, gap), max(largest, size)
     assert largest > 1e-3  # the reference is not trivially zero
     assert worst <= SAME * max(1.0, largest), f"{family}: {worst:.3g}"
@@ -150,6 +163,35 @@ def test_every_family_sums_or_refuses(family):
     assert any("<-embed" in label for label in attr.labels)
 
 
+# upstream="head" on families with other head layouts (fused QKV, parallel blocks, a bias on o_proj, experts)
+HEAD_FAMILIES = ["gpt2", "gptj", "gpt_neox", "phi3", "mixtral", "cohere", "olmo", "opt", "granite"]
+
+
+@pytest.mark.parametrize("family", HEAD_FAMILIES)
+def test_upstream_heads_sum_to_upstream_blocks(family):
+    """``upstream="head"``: each upstream attention's heads (and its bias's column) sum to its ``upstream="block"``
+    part, MLPs and the embedding are the same columns, and the parts sum to the model's own logit."""
+    model = eager_model(family)
+    blocks = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
+    heads = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources={"upstream": "head"})
+    assert_parts_are_the_models(model, heads, PROMPTS, f"{family} by=source upstream=head")
+    index = {label: j for j, label in enumerate(blocks.labels)}
+    owner = []
+    for c in heads.components:  # an upstream head's column belongs to its attention's column of upstream="block"
+        up = c.upstream
+        if up is not None and ".H" in up:
+            up = up.split(".H")[0] + ".attn"
+        owner.append(index[c._replace(upstream=up).label])
+    summed = torch.zeros_like(blocks.values).index_add_(1, torch.tensor(owner), heads.values)
+    assert float((summed - blocks.values).abs().max()) <= SAME * max(1.0, float(blocks.values.abs().max()))
+    assert any("<-L0.H1" in label for label in heads.labels)
+
+
+def test_upstream_heads_refused_behind_a_post_norm():
+    with pytest.raises(DLAError, match="upstream='head': block 0's heads are not written by their output projection"):
+        dla_recipes.attribute(eager_model("gemma2"), PROMPTS, TARGET, by="source", sources={"upstream": "head"})
+
+
 @pytest.mark.parametrize("family", REFUSED)
 def test_refused_with_the_reason(family):
     model = eager_model(family)
@@ -159,7 +201,7 @@ def test_refused_with_the_reason(family):
 
 def test_bad_input():
     model = eager_model("llama")
-    with pytest.raises(InputError, match="'block'"):
+    with pytest.raises(InputError, match="'block', 'head'"):
         dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources={"upstream": "neuron"})
     with pytest.raises(InputError, match="upstream"):
         dla_recipes.attribute(model, PROMPTS, TARGET, by="source", sources={"upstreams": "block"})
@@ -223,15 +265,15 @@ def test_remote_equals_local(tmp_path):
     from conftest import serve_tiny, single_threaded
 
     with serve_tiny(tmp_path, ("llama",)) as server:
-        options = {"upstream": "block", "top_heads": 2}
-        with server.client():
-            remote = dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
-                                           by="source", remote=True, sources=options)
-        with single_threaded():
-            local = dla_recipes.attribute(server.local_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
-                                          by="source", sources=options)
-        assert remote.labels == local.labels and any("<-" in label for label in remote.labels)
-        assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+        for options in ({"upstream": "block", "top_heads": 2}, {"upstream": "head", "layers": [-1]}):
+            with server.client():
+                remote = dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
+                                               by="source", remote=True, sources=options)
+            with single_threaded():
+                local = dla_recipes.attribute(server.local_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
+                                              by="source", sources=options)
+            assert remote.labels == local.labels and any("<-" in label for label in remote.labels)
+            assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
 
 
 @pytest.mark.server

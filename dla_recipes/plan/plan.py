@@ -37,7 +37,8 @@ class Sources:
         heads: the ``(layer, head)`` pairs split by source; None: every head. The other heads stay whole
             (``L3.H5``), as with ``by="head"``.
         upstream: ``"block"``: each ``(head, source)`` part split further by the component that wrote the source
-            position's stream (``L3.H5.S2<-L1.mlp``, then the source's rest ``L3.H5.S2``); None: not split.
+            position's stream (``L3.H5.S2<-L1.mlp``, then the source's rest ``L3.H5.S2``); ``"head"``: the same
+            with upstream attention split into heads (``L3.H5.S2<-L1.H0``; MLPs whole); None: not split.
     """
 
     count: int
@@ -166,7 +167,7 @@ class Plan:
             for k, planned in enumerate(terms):
                 upstream = ()
                 if by == "source" and sources is not None and sources.upstream is not None:
-                    upstream = tuple(self.components("block", Stop(i, k)).labels())
+                    upstream = tuple(self.components(sources.upstream, Stop(i, k)).labels())
                 runs.extend(planned.components(i, by, sources, edits, upstream))
         return Components(runs)
 

@@ -43,7 +43,7 @@ from .build import has_path, module_at
 from .plan import Plan, Sources
 
 OPTIONS = ("layers", "top_heads", "upstream")
-UPSTREAM = ("block",)  # sources=dict(upstream=...): what splits each (head, source) part (plan.Sources.upstream)
+UPSTREAM = ("block", "head")  # sources=dict(upstream=...): what splits each (head, source) part (plan.Sources.upstream)
 
 
 def attention_implementation(model) -> str | None:
@@ -143,8 +143,8 @@ def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attr
     return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]), upstream)
 
 
-def check_upstream(model, plan: Plan, layers: Sequence[int]) -> None:
-    """``sources=dict(upstream="block")``: raise a ``DLAError`` unless the stream each split block's heads read is
+def check_upstream(model, plan: Plan, layers: Sequence[int], upstream: str = "block") -> None:
+    """``sources=dict(upstream="block" or "head")``: raise a ``DLAError`` unless the stream each split block's heads read is
     the plain sum of the writes before it (no per-block scale, stream norm, stream gate or parallel streams) and
     their values are linear in it (one projection of the stream through the block's frozen input norm, or of the
     stream itself: no value norm)."""
@@ -162,6 +162,11 @@ def check_upstream(model, plan: Plan, layers: Sequence[int]) -> None:
                        ", so the stream is not the sum of what the components wrote")
             if why is None and term.write.outer_norm is not None:
                 why = f"block {i}'s {term.name} is written through a norm shared with another term ({term.write.outer_norm})"
+            if why is None and upstream == "head" and planned.mode("head") == "heads" and (
+                    planned.kind != "linear" or term.write.post_norm or term.write.scale or term.write.bias
+                    or term.split.then or term.split.projection_scale or planned.projection_multiplier != 1.0):
+                why = (f"upstream='head': block {i}'s heads are not written by their output projection alone (a "
+                       "post-norm, a second map or a scale after it)")
     for i in layers:
         for planned in plan.layers[i]:
             if why is None and planned.mode("source") == "sources":
@@ -175,5 +180,6 @@ def check_upstream(model, plan: Plan, layers: Sequence[int]) -> None:
                     why = (f"block {i}'s attention write ({planned.term.output}) is read inside the attention module, "
                            "which returns its pattern only after it, so the write cannot be read in forward order")
     if why is not None:
+        instead = "upstream='block' or " if upstream == "head" and why.startswith("upstream='head'") else ""
         raise DLAError(f"family {family!r}: sources=dict(upstream=...) is not supported: {why}. "
-                       "Use by='source' without upstream")
+                       f"Use {instead}by='source' without upstream")

@@ -109,7 +109,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     sites = Sites(torch.arange(positions.shape[0]) if rows is None else rows, positions, int(stream.shape[0]))
     paths = None  # sources=dict(upstream=...): what every component wrote at the sources, collected as it is written
     if by == "source" and sources.upstream is not None:
-        paths = Paths(offsets, sites.rows, sites.batch, sources.count)
+        paths = Paths(offsets, sites.rows, sites.batch, sources.count, sources.upstream == "head")
         paths.collect(stream)
     embed = at(stream, sites)  # [n, d_model], or [n, streams, d_model]
     scores = [(embed * embed_direction.to(embed.device).unsqueeze(-2)).sum(-1) if embed.dim() == 3 else

@@ -29,7 +29,7 @@ from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .kinds import conv, experts, linear, routed, sources
-from .readers import Sites, at, frozen_at, param, read_site, term_write
+from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
 
@@ -218,11 +218,11 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     reads, outers = [], {}
     paths = None if split is None else split.paths  # sources=dict(upstream=...): every write at the sources
     for k, planned in enumerate(terms):
-        if paths is not None and modes[k] == "sources":
-            paths.read_norm(layer, planned, index)
+        if paths is not None:
+            paths.before(layer, planned, modes[k], index)
         reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits))
         if paths is not None:
-            paths.collect(term_write(layer, planned.term, planned.multiplier, sites.batch))
+            paths.after(layer, planned, modes[k], reads[-1])
         for path, last in last_user.items():
             if last == k:
                 outers[path] = frozen_at(module_at(layer, path), sites)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from ...math.frozen_norm import probe_norm
-from ...math.linalg import exact
+from ...math.linalg import exact, linear_pullback
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
-from ..readers import read_site
+from ..readers import read_site, term_write
 from .pattern import per_prompt
 from .sources import values_of
 
@@ -50,10 +50,10 @@ class Paths:
         errors: the relative errors kept as fit errors (see the module docstring).
     """
 
-    def __init__(self, offsets: torch.Tensor, rows: torch.Tensor, batch: int, count: int):
+    def __init__(self, offsets: torch.Tensor, rows: torch.Tensor, batch: int, count: int, heads: bool = False):
         starts = torch.zeros(batch, dtype=torch.long).scatter(0, rows.long().cpu(), offsets.long().cpu())
         self.index = starts[:, None] + torch.arange(count)[None]
-        self.batch, self.count = batch, count
+        self.batch, self.count, self.heads = batch, count, heads
         self.writes: list = []
         self.norms: dict = {}
         self.errors: list = []
@@ -68,6 +68,28 @@ class Paths:
         """Keep a write ``[batch, pos, d_model]`` at the source positions."""
         self.writes.append(self.gather(value))
 
+    def by_head(self, planned: PlannedTerm) -> bool:
+        """Whether ``planned``'s write is kept per head (``upstream="head"``: heads through one projection)."""
+        return self.heads and planned.mode("head") == "heads"
+
+    def before(self, layer, planned: PlannedTerm, mode: str | None, i: int) -> None:
+        """Before block ``i``'s term is read: its heads' input norm (a term split by source), or the heads of a
+        term read whole (``upstream="head"``: its projection's input, read first in the forward)."""
+        if mode == "sources":
+            self.read_norm(layer, planned, i)
+        elif self.by_head(planned):
+            projection = module_at(layer, planned.term.split.projection)
+            self.writes.append((self.gather(read_site(projection, "input", self.batch).flatten(2)), projection,
+                                planned))
+
+    def after(self, layer, planned: PlannedTerm, mode: str | None, reads) -> None:
+        """After the term is read: keep its write, or its heads (from a term split by source, as it read them)."""
+        if not self.by_head(planned):
+            self.collect(term_write(layer, planned.term, planned.multiplier, self.batch))
+        elif mode == "sources":
+            projection = module_at(layer, planned.term.split.projection)
+            self.writes.append((self.gather(reads.parts.heads.flatten(2)), projection, planned))
+
     def read_norm(self, layer, planned: PlannedTerm, i: int) -> None:
         """Before block ``i``'s values are read: its heads' input norm (``Term.reads``) frozen at the sources, and
         the writes so far against the stream it reads."""
@@ -80,9 +102,19 @@ class Paths:
             output = self.gather(read_site(norm, "output", self.batch))
             frozen = probe_norm(norm, stream.shape[-1]).freeze(stream.flatten(0, 1), output.flatten(0, 1))
             self.errors.append(frozen.fit_error)
-        with exact():
-            total = torch.stack([w.to(stream.device) for w in self.writes]).sum(0)
-            self.errors.append(relative(total, stream))
+        total = torch.zeros_like(stream)
+        for write in self.writes:
+            if isinstance(write, tuple):  # heads: what their projection wrote (weights read outside exact())
+                z, projection, term = write
+                weight = projection.weight
+                bias = getattr(projection, "bias", None)
+                with exact():
+                    w = weight.float().to(stream.device)
+                    z = z.to(stream.device) @ (w if term.transposed else w.T)
+                    write = (z + (0.0 if bias is None else bias.float().to(z.device))) * term.multiplier
+            with exact():
+                total = total + write.to(stream.device)
+        self.errors.append(relative(total, stream))
         self.norms[i] = (frozen, len(self.writes))
 
     def split(self, layer, planned: PlannedTerm, i: int, u: torch.Tensor, weights: torch.Tensor,
@@ -112,9 +144,37 @@ class Paths:
                 rest = rest + (pulled * frozen.bias.to(device)).sum(-1)
                 pulled = frozen.probe.center(frozen.gain.to(device) * pulled)
                 scale = frozen.scale.to(device).view(self.batch, self.count)
-            writes = torch.stack([w.to(device) for w in self.writes[:upstream]], 2)  # [batch, count, C, d_model]
             rows = rows.to(device)
-            parts = per_prompt("nhd,scd->nhsc", pulled, writes, rows) * (weights * scale[rows][:, None])[..., None]
+        columns, plain = [], []
+        for write in self.writes[:upstream] + [None]:
+            if plain and not isinstance(write, torch.Tensor):  # a run of whole writes: [n, heads, count, run]
+                with exact():
+                    plain_writes = torch.stack([w.to(device) for w in plain], 2)  # [batch, count, run, d_model]
+                    columns.append(per_prompt("nhd,scd->nhsc", pulled, plain_writes, rows))
+                plain = []
+            if isinstance(write, torch.Tensor):
+                plain.append(write)
+            elif write is not None:
+                columns.append(self.head_columns(write, pulled, rows))
+        with exact():
+            parts = torch.cat(columns, -1) * (weights * scale[rows][:, None])[..., None]
             rest = weights * rest[..., None]  # [n, heads, count]
             self.errors.append(relative(parts.sum(-1) + rest, own))
             return torch.cat([parts, rest[..., None]], -1).flatten(2)
+
+    def head_columns(self, write: tuple, pulled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, heads, count, upstream heads (+ 1)]``: an upstream term's heads ``(z [batch, count, H * d],
+        projection, planned)`` along each site's and head's ``pulled`` ``[n, heads, d_model]``, then its bias's
+        column where the term has one (``PlannedTerm.bare``)."""
+        z, projection, term = write
+        n, heads = pulled.shape[:2]
+        back, constant = linear_pullback(projection, pulled.reshape(n * heads, -1), term.transposed)
+        with exact():
+            back = back.to(pulled.device).view(n, heads, term.parts, term.part_width) * term.multiplier
+            z = z.to(pulled.device).view(self.batch, self.count, term.parts, term.part_width)
+            out = per_prompt("nhkd,skd->nhsk", back, z, rows)
+            if "heads" not in term.bare:
+                bias = torch.as_tensor(constant, device=out.device).float() * term.multiplier
+                out = torch.cat([out, bias.reshape(-1).expand(n * heads).reshape(n, heads, 1, 1)
+                                 .expand(n, heads, self.count, 1)], -1)
+            return out

@@ -47,6 +47,7 @@ class SourceReads:
         values: ``[batch, pos, kv_heads, head_dim]`` the values at every position of every prompt.
         inputs: ``[n, heads * head_dim]`` the heads as the output projection reads them, at the sites.
         pattern: ``[n, heads, pos]`` the attention pattern at the sites.
+        heads: ``[batch, pos, heads * head_dim]`` the output projection's input at every position.
         rows: ``[n]`` each site's prompt (its row of ``values``).
         pattern_error: ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own).
     """
@@ -56,6 +57,7 @@ class SourceReads:
     pattern: torch.Tensor
     pattern_error: float
     rows: torch.Tensor | None = None
+    heads: torch.Tensor | None = None
 
 
 def prepare(model, plan, sources: Sources) -> None:
@@ -81,7 +83,8 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     attention = module_at(layer, heads.projection.rsplit(".", 1)[0])
     recomputed = None if pattern.returns_weights(attention) else pattern.recompute(
         attention, planned.parts, rows, positions)  # the attention call: before the output projection
-    inputs = at(read_site(module_at(layer, heads.projection), "input", batch), sites).flatten(1)
+    full = read_site(module_at(layer, heads.projection), "input", batch)
+    inputs = at(full, sites).flatten(1)
     if recomputed is None:
         output = attention.output
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
@@ -97,7 +100,8 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     rows = rows.to(weights.device)
     rebuilt = grouped_sum(weights, values.to(weights.device), rows).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows)
+    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows,
+                       full)
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
