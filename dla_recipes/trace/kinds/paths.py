@@ -10,7 +10,10 @@ beta`` (no norm: ``y_s = x_s``). ``x_s`` is the sum of what the embedding and ev
     part(h, s, c) = A[h, s] * scale_s * (c_s . g_h)        g_h = center(gain * W_v^h^T u_h)   [d_model]
     rest(h, s)    = A[h, s] * (beta . W_v^h^T u_h + b_v^h . u_h)
 
-sum to the ``(h, s)`` part exactly: one ``[d_model]`` pull-back per (site, head), whatever the source. Values-side
+sum to the ``(h, s)`` part exactly: one ``[d_model]`` pull-back per (site, head), whatever the source. With
+``upstream="head"`` an earlier attention's write is kept as its heads ``z [batch, sources, heads * head_dim]`` (its
+output projection's input) and ``g_h`` is pulled back through that projection too: one column per upstream head,
+then its bias's. Values-side
 rotary embeddings do not exist (rotary acts on queries and keys); a value norm or a stream that is not the plain sum
 of the writes is refused before the trace (``plan.sources.check_upstream``). Two relative errors join the fit
 errors (``Paths.errors``): the writes' sum against the norm's real input at the sources, and the parts' sum against
