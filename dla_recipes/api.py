@@ -207,6 +207,8 @@ def attribute(
             only the ``k`` heads with the largest ``|by="head"|`` part (one more forward pass picks them); the
             other heads stay whole (``L3.H5``). Default: every head. Sources are ``S0 .. S{n-1}`` with ``n`` the
             largest attributed own position plus one; a prompt has zeros for sources it does not have.
+            ``upstream="block"`` / ``"head"``: each source split by the component that wrote its stream
+            (``L3.H5.S2<-L1.mlp``; ``"head"``: upstream heads split, ``L3.H5.S2<-L1.H0``).
         reduce: ``"sum"``: one row a prompt, the sum over its positions (an answer span: the parts of the sum
             of the span's logits, exact as each position is). ``"stats"`` or ``Stats(replicates=200, seed=0,
             paired=False)``: per-component statistics reduced in the trace (``AttributionStats``: ``summary()``
@@ -263,15 +265,17 @@ def attribute(
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
     split = None
     if by == "source":
-        layers, top = source_split.parse(plan, sources)
+        layers, top, upstream = source_split.parse(plan, sources)
         source_split.check(model, plan, layers)
+        if upstream is not None:
+            source_split.check_upstream(model, plan, layers, upstream)
         heads = None
         if top is not None:  # one more forward pass picks the heads to split
             heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
                               batch_size=batch_size, progress=progress, tolerance=tolerance, intervene=intervene)
             heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
-        split = source_split.choose(plan, layers, top, count, heads)
+        split = source_split.choose(plan, layers, top, count, heads, upstream)
     calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
                             offsets(b) if by == "source" else None, intervene is not None, b.rows) for b in batches)
     if stats is not None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 _LABEL = re.compile(
-    r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+))?|N(\d+)|(\w+)(\.edit)?)$")
+    r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+)(?:<-(\S+))?)?|N(\d+)|(\w+)(\.edit)?)$")
 
 
 class Component(NamedTuple):
@@ -36,6 +36,8 @@ class Component(NamedTuple):
         index: the head, neuron or expert index (None for a rest or a whole shared expert).
         source: ``by="source"``: the source position (an index into the prompt's own tokens) of a split head.
         expert: an expert's neuron (``part="neuron"``): its expert index, or ``"shared"``.
+        upstream: ``by="source"`` with ``sources=dict(upstream=...)``: the label of the component that wrote what
+            the head read from the source position (``"L12.mlp"``, ``"embed"``); None on a source's rest.
     """
 
     layer: int | None
@@ -44,6 +46,7 @@ class Component(NamedTuple):
     index: int | None = None
     source: int | None = None
     expert: int | str | None = None
+    upstream: str | None = None
 
     @property
     def label(self) -> str:
@@ -56,7 +59,8 @@ class Component(NamedTuple):
         if self.part == "edit":
             return f"L{self.layer}.{self.term}.edit"
         if self.part == "head":
-            return f"L{self.layer}.H{self.index}" + ("" if self.source is None else f".S{self.source}")
+            return (f"L{self.layer}.H{self.index}" + ("" if self.source is None else f".S{self.source}")
+                    + ("" if self.upstream is None else f"<-{self.upstream}"))
         if self.part == "shared":
             return f"L{self.layer}.shared"
         if self.part == "expert":
@@ -66,8 +70,8 @@ class Component(NamedTuple):
 
 
 class Run(NamedTuple):
-    """Consecutive components that differ in one field only: ``index`` or ``source`` is a ``range`` (or neither:
-    one component)."""
+    """Consecutive components that differ in one field only: ``index`` or ``source`` is a ``range``, or
+    ``upstream`` a tuple of labels (or none of them: one component)."""
 
     layer: int | None
     term: str
@@ -75,25 +79,33 @@ class Run(NamedTuple):
     index: int | range | None = None
     source: int | range | None = None
     expert: int | str | None = None
+    upstream: str | tuple | None = None
 
     @property
     def size(self) -> int:
         """How many components the run holds."""
+        if isinstance(self.upstream, tuple):
+            return len(self.upstream)
         varying = self.index if isinstance(self.index, range) else self.source
         return len(varying) if isinstance(varying, range) else 1
 
     def components(self) -> Iterator[Component]:
         """Each component of the run, in order."""
-        layer, term, part, index, source, expert = self
+        layer, term, part, index, source, expert, upstream = self
         new = tuple.__new__
+        if isinstance(upstream, tuple):
+            return (new(Component, (layer, term, part, index, source, expert, c)) for c in upstream)
         if isinstance(index, range):
-            return (new(Component, (layer, term, part, i, source, expert)) for i in index)
+            return (new(Component, (layer, term, part, i, source, expert, upstream)) for i in index)
         if isinstance(source, range):
-            return (new(Component, (layer, term, part, index, s, expert)) for s in source)
+            return (new(Component, (layer, term, part, index, s, expert, upstream)) for s in source)
         return iter((new(Component, tuple(self)),))
 
     def labels(self) -> list[str]:
-        """The run's labels, in order (one prefix, then each index or source)."""
+        """The run's labels, in order (one prefix, then each index, source or upstream component)."""
+        if isinstance(self.upstream, tuple):
+            prefix = f"L{self.layer}.H{self.index}.S{self.source}<-"
+            return [prefix + c for c in self.upstream]
         if isinstance(self.source, range):
             prefix = f"L{self.layer}.H{self.index}.S"
             return [prefix + str(s) for s in self.source]
@@ -129,12 +141,14 @@ class Components(Sequence):
         if not -n <= item < n:
             raise IndexError(f"component {item} of {n}")
         k, offset = self.locate(item % n)
-        layer, term, part, index, source, expert = self.runs[k]
-        if isinstance(index, range):
+        layer, term, part, index, source, expert, upstream = self.runs[k]
+        if isinstance(upstream, tuple):
+            upstream = upstream[offset]
+        elif isinstance(index, range):
             index = index[offset]
         elif isinstance(source, range):
             source = source[offset]
-        return Component(layer, term, part, index, source, expert)
+        return Component(layer, term, part, index, source, expert, upstream)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, Components) and self.runs == other.runs:
@@ -149,7 +163,7 @@ class Components(Sequence):
 
     def spans(self) -> Iterator[tuple[Component, int, int]]:
         """``(first component, start, stop)`` of each run: its columns are ``start .. stop - 1``, and its
-        components differ from the first in their ``index`` or ``source`` only."""
+        components differ from the first in their ``index``, ``source`` or ``upstream`` only."""
         for run, start, stop in zip(self.runs, self.starts(), self._ends):
             varying = run.index if isinstance(run.index, range) else run.source
             if isinstance(varying, range) and varying.step != 1:  # not consecutive: one column at a time
@@ -282,10 +296,10 @@ def parse_label(label: str) -> Component:
     match = _LABEL.match(label)
     if match is None:
         return Component(None, label)
-    layer, expert, e, shared, expert_neuron, head, source, neuron, term, edit = match.groups()
+    layer, expert, e, shared, expert_neuron, head, source, upstream, neuron, term, edit = match.groups()
     layer = int(layer)
     if head is not None:
-        return Component(layer, "attn", "head", int(head), None if source is None else int(source))
+        return Component(layer, "attn", "head", int(head), None if source is None else int(source), upstream=upstream)
     if neuron is not None:
         return Component(layer, "mlp", "neuron", int(neuron))
     if expert_neuron is not None:

@@ -36,10 +36,14 @@ class Sources:
             whose attributed position is earlier has zeros for the sources it does not have.
         heads: the ``(layer, head)`` pairs split by source; None: every head. The other heads stay whole
             (``L3.H5``), as with ``by="head"``.
+        upstream: ``"block"``: each ``(head, source)`` part split further by the component that wrote the source
+            position's stream (``L3.H5.S2<-L1.mlp``, then the source's rest ``L3.H5.S2``); ``"head"``: the same
+            with upstream attention split into heads (``L3.H5.S2<-L1.H0``; MLPs whole); None: not split.
     """
 
     count: int
     heads: frozenset | None = None
+    upstream: str | None = None
 
     def split_heads(self, layer: int, heads: int) -> tuple[bool, ...]:
         """Which of block ``layer``'s ``heads`` are split by source."""
@@ -103,18 +107,28 @@ class PlannedTerm:
             return {"expert": "experts", "neuron": "expert_neurons"}.get(by)
         return None
 
-    def components(self, i: int, by: Granularity, sources: Sources | None = None, edits: bool = False) -> list[Run]:
+    def components(self, i: int, by: Granularity, sources: Sources | None = None, edits: bool = False,
+                   upstream: tuple = ()) -> list[Run]:
         """This term's components in block ``i``, as runs; the last is the term's rest (``part=None``), if it has one.
 
         ``by="source"``: ``L3.H5.S2`` (head 5's part read from the prompt's own token 2) for the heads ``sources``
         splits, ``L3.H5`` for the others. ``edits``: a split term has an ``L3.mlp.edit`` component before its rest
         (what it wrote beyond its parts and bias: an edit after its projection). A split term has no rest at the
-        modes in ``bare`` (its parts and edit are then its last components)."""
+        modes in ``bare`` (its parts and edit are then its last components). ``upstream``: with
+        ``sources.upstream``, the labels of the components written before this term (each split source's parts
+        ``L3.H5.S2<-L1.mlp``, then its rest ``L3.H5.S2``)."""
         mode, name = self.mode(by), self.term.name
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
-            parts = [Run(i, name, "head", h, range(sources.count)) if split[h] else Run(i, name, "head", h)
-                     for h in range(self.parts)]
+            parts = []
+            for h in range(self.parts):
+                if not split[h]:
+                    parts.append(Run(i, name, "head", h))
+                elif sources.upstream is None:
+                    parts.append(Run(i, name, "head", h, range(sources.count)))
+                else:
+                    for s in range(sources.count):
+                        parts += [Run(i, name, "head", h, s, upstream=upstream), Run(i, name, "head", h, s)]
         elif mode == "heads":
             parts = [Run(i, name, "head", range(self.parts))]
         elif mode == "neurons":
@@ -150,8 +164,11 @@ class Plan:
         check_granularity(by)
         runs = [Run(None, "embed")]
         for i, terms in enumerate(self.terms_before(stop)):
-            for planned in terms:
-                runs.extend(planned.components(i, by, sources, edits))
+            for k, planned in enumerate(terms):
+                upstream = ()
+                if by == "source" and sources is not None and sources.upstream is not None:
+                    upstream = tuple(self.components(sources.upstream, Stop(i, k)).labels())
+                runs.extend(planned.components(i, by, sources, edits, upstream))
         return Components(runs)
 
     def labels(self, by: Granularity = "block", stop: Stop | None = None, sources: Sources | None = None) -> Labels:

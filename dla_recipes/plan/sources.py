@@ -23,6 +23,10 @@ them (``trace.kinds.pattern``); a module without that call, or with inputs it do
 - refused: Falcon (its own fused attention code), DeepSeek-V3/V4 (latent attention), JetMoE (mixture of attention),
   ZAYA, RecurrentGemma (no value tensor in the family table), Zamba2 (no heads).
 
+``sources=dict(upstream="block")`` splits each (head, source) part further by the component that wrote the source
+position's stream (``trace.kinds.paths``); ``check_upstream`` refuses the families whose stream is not the plain sum
+of the components' writes, or whose values are not one projection of it through the frozen input norm.
+
 Each split block's heads are rebuilt from the pattern (read or recomputed) and values in the trace, ``sum_s A v``
 against the output projection's real input; the largest relative gap is reported with the norm fit errors
 (``attr.diagnostics["norm_fit_error"]``), and a gap past its tolerance is refused by the self-check, so a wrong
@@ -35,10 +39,11 @@ from collections.abc import Sequence
 
 from ..errors import DLAError, InputError
 from ..families import Heads, text_config
-from .build import has_path
+from .build import has_path, module_at
 from .plan import Plan, Sources
 
-OPTIONS = ("layers", "top_heads")
+OPTIONS = ("layers", "top_heads", "upstream")
+UPSTREAM = ("block", "head")  # sources=dict(upstream=...): what splits each (head, source) part (plan.Sources.upstream)
 
 
 def attention_implementation(model) -> str | None:
@@ -85,12 +90,17 @@ def head_layers(plan: Plan) -> list[int]:
     return [i for i, terms in enumerate(plan.layers) if any(p.term.splits_heads and p.parts for p in terms)]
 
 
-def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
-    """``(layers, top_heads)`` from the user's ``sources`` dict (None: every head of every attention block)."""
+def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None, str | None]:
+    """``(layers, top_heads, upstream)`` from the user's ``sources`` dict (None: every head of every attention
+    block, not split upstream)."""
     sources = dict(sources or {})
     unknown = set(sources) - set(OPTIONS)
     if unknown:
         raise InputError(f"sources has unknown keys {sorted(unknown)}: use {', '.join(OPTIONS)}")
+    upstream = sources.get("upstream")
+    if upstream is not None and upstream not in UPSTREAM:
+        raise InputError(f"sources['upstream'] must be one of {', '.join(map(repr, UPSTREAM))} (or None), "
+                         f"got {upstream!r}")
     all_layers = head_layers(plan)
     layers = sources.get("layers")
     if layers is None:
@@ -107,25 +117,69 @@ def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None]:
     top = sources.get("top_heads")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
         raise InputError(f"sources['top_heads'] must be a positive int, got {top!r}")
-    return list(layers), top
+    return list(layers), top, upstream
 
 
 def _bad_layer(i, n):
     raise InputError(f"sources['layers'] has block {i}, outside this {n}-block model")
 
 
-def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attribution=None) -> Sources:
+def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attribution=None,
+           upstream: str | None = None) -> Sources:
     """The ``Sources`` spec: every head of ``layers``, or the ``top`` heads among them ranked by their largest
-    ``|part|`` over the prompts in ``head_attribution`` (an ``attribute(..., by="head")`` of the same prompts)."""
+    ``|part|`` over the prompts in ``head_attribution`` (an ``attribute(..., by="head")`` of the same prompts);
+    ``upstream``: each (head, source) part split by upstream component (``Sources.upstream``)."""
     if top is None and layers == head_layers(plan):
-        return Sources(count)
+        return Sources(count, upstream=upstream)
     if top is None:
         return Sources(count, frozenset((i, h) for i in layers for p in plan.layers[i] if p.term.splits_heads
-                                        for h in range(p.parts)))
+                                        for h in range(p.parts)), upstream)
     ranked = []
     wanted = set(layers)
     for j, component in enumerate(head_attribution.components):
         if component.part == "head" and component.layer in wanted:
             ranked.append((float(head_attribution.values[:, j].abs().max()), component.layer, component.index))
     ranked.sort(reverse=True)
-    return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]))
+    return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]), upstream)
+
+
+def check_upstream(model, plan: Plan, layers: Sequence[int], upstream: str = "block") -> None:
+    """``sources=dict(upstream="block" or "head")``: raise a ``DLAError`` unless the stream each split block's heads read is
+    the plain sum of the writes before it (no per-block scale, stream norm, stream gate or parallel streams) and
+    their values are linear in it (one projection of the stream through the block's frozen input norm, or of the
+    stream itself: no value norm)."""
+    family = plan.family.name
+    why = None
+    if plan.family.layer_scale is not None:
+        why = f"a per-block scale ({plan.family.layer_scale}) multiplies the stream after each block"
+    for i, terms in enumerate(plan.layers[:max(layers, default=-1) + 1]):
+        for planned in terms:
+            term, stream = planned.term, planned.term.stream
+            acting = [name for name in ("scale", "bias", "multiplier", "norm", "norm_after")
+                      if getattr(stream, name) is not None]
+            if why is None and (acting or term.hyper is not None or planned.stream_multiplier != 1.0):
+                why = (f"block {i}'s {term.name} acts on the stream itself ({', '.join(acting) or 'hyper-connections'})"
+                       ", so the stream is not the sum of what the components wrote")
+            if why is None and term.write.outer_norm is not None:
+                why = f"block {i}'s {term.name} is written through a norm shared with another term ({term.write.outer_norm})"
+            if why is None and upstream == "head" and planned.mode("head") == "heads" and (
+                    planned.kind != "linear" or term.write.post_norm or term.write.scale or term.write.bias
+                    or term.split.then or term.split.projection_scale or planned.projection_multiplier != 1.0):
+                why = (f"upstream='head': block {i}'s heads are not written by their output projection alone (a "
+                       "post-norm, a second map or a scale after it)")
+    for i in layers:
+        for planned in plan.layers[i]:
+            if why is None and planned.mode("source") == "sources":
+                module = planned.term.split.values.rsplit(".", 1)[0]
+                weight = getattr(module_at(model.layers[i], module), "weight", None)
+                attention = planned.term.split.projection.rsplit(".", 1)[0]
+                if planned.kind != "linear" or weight is None or len(weight.shape) != 2:
+                    why = (f"block {i}'s values ({planned.term.split.values}) are not one linear projection of the "
+                           "normed stream (a value norm, or a convolution over positions)")
+                elif planned.term.output.rsplit(".", 1)[0].startswith(attention + "."):
+                    why = (f"block {i}'s attention write ({planned.term.output}) is read inside the attention module, "
+                           "which returns its pattern only after it, so the write cannot be read in forward order")
+    if why is not None:
+        instead = "upstream='block' or " if upstream == "head" and why.startswith("upstream='head'") else ""
+        raise DLAError(f"family {family!r}: sources=dict(upstream=...) is not supported: {why}. "
+                       f"Use {instead}by='source' without upstream")

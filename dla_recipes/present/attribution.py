@@ -237,7 +237,7 @@ class Attribution:
             raise ValueError(f"heads() sums a by='source' attribution's sources; this one is by={self.by!r}")
         names, owner = [], []
         for component in self.components:
-            name = component._replace(source=None)
+            name = component._replace(source=None, upstream=None)
             if not names or names[-1] != name or component.source is None:
                 names.append(name)
             owner.append(len(names) - 1)
@@ -247,14 +247,19 @@ class Attribution:
     def sources(self) -> torch.Tensor:
         """``[batch, layers, heads, sources]``: a ``by="source"`` attribution's parts laid out by layer, head and
         own source position (``S0`` = the prompt's first token); NaN for heads not split by source."""
-        found = [(c.layer, c.index, c.source, start, stop) for c, start, stop in spans(self.components)
-                 if c.source is not None]  # a run's sources are consecutive: source .. source + stop - start - 1
+        found = [(c.layer, c.index, c.source, start, stop, c.upstream is not None)
+                 for c, start, stop in spans(self.components)
+                 if c.source is not None]  # a run's sources are consecutive, or one source's upstream parts
         if not found:
             raise ValueError(f"this attribution has no per-source components (by={self.by!r}); use by='source'")
-        shape = [max(f[0] for f in found) + 1, max(f[1] for f in found) + 1, max(f[2] + f[4] - f[3] for f in found)]
+        shape = [max(f[0] for f in found) + 1, max(f[1] for f in found) + 1,
+                 max(f[2] + (1 if f[5] else f[4] - f[3]) for f in found)]
         out = torch.full((len(self), *shape), float("nan"))
-        for layer, head, source, start, stop in found:
-            out[:, layer, head, source:source + stop - start] = self.values[:, start:stop]
+        for layer, head, source, start, stop, upstream in found:  # a source split upstream (``<-L3.mlp``): its sum
+            width = 1 if upstream else stop - start
+            part = self.values[:, start:stop].sum(-1, keepdim=True) if upstream else self.values[:, start:stop]
+            seen = torch.nan_to_num(out[:, layer, head, source:source + width], nan=0.0)
+            out[:, layer, head, source:source + width] = part + seen
         return out
 
     def grid(self, kind: str = "H") -> torch.Tensor:

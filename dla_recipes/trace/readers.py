@@ -101,7 +101,13 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
     unless ``batch_size`` is given.
     """
     term = find_term(model, i, name)
-    layer = model.layers[i]
+    multiplier = None if term.write.multiplier is None else scalar(term.write.multiplier, text_config(model), i)
+    return term_write(model.layers[i], term, multiplier, batch_size)
+
+
+def term_write(layer, term: Term, multiplier: float | None, batch_size: int | None = None) -> torch.Tensor:
+    """``[batch, pos, d_model]``: what ``term`` adds to the stream below the block envoy ``layer``, its write's
+    multiplier resolved to ``multiplier`` (None: none)."""
     value, write = read_site(layer, term.output, batch_size), term.write
     if write.clone:
         value = value.clone()
@@ -109,8 +115,8 @@ def term_output(model, i: int, name: str, batch_size: int | None = None) -> torc
         value = value + module_at(layer, write.bias)
     if write.scale is not None:
         value = value * module_at(layer, write.scale)
-    if write.multiplier is not None:
-        value = value * scalar(write.multiplier, text_config(model), i)
+    if multiplier is not None:
+        value = value * multiplier
     return value
 
 

@@ -48,6 +48,7 @@ from ..math.rounding import Rounding, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
+from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
 from .readers import Sites, at, layer_input, layer_output, read_site
@@ -106,6 +107,10 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     fit_errors: list[float] = []
     stream = layer_input(model, 0)  # [batch, pos, d_model]: the batch's size is its first
     sites = Sites(torch.arange(positions.shape[0]) if rows is None else rows, positions, int(stream.shape[0]))
+    paths = None  # sources=dict(upstream=...): what every component wrote at the sources, collected as it is written
+    if by == "source" and sources.upstream is not None:
+        paths = Paths(offsets, sites.rows, sites.batch, sources.count, sources.upstream == "head")
+        paths.collect(stream)
     embed = at(stream, sites)  # [n, d_model], or [n, streams, d_model]
     scores = [(embed * embed_direction.to(embed.device).unsqueeze(-2)).sum(-1) if embed.dim() == 3 else
               dot(embed, embed_direction).unsqueeze(-1)]
@@ -114,7 +119,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     previous = embed  # the stream before the block (its rounding bound, ``rounding``)
     for i, terms in enumerate(plan.terms_before(stop)):
-        split = SourceSplit(sources, i, offsets) if by == "source" else None
+        split = SourceSplit(sources, i, offsets, paths) if by == "source" else None
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, sites,
                                                         fit_errors, split, rounding, edits, i, patterns):
             if before is not None:  # a norm on the stream scales everything written before it
@@ -140,6 +145,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             collapse = plan.family.collapse_weights(head, read)  # [n, streams]
             weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
+    fit_errors.extend([] if paths is None else paths.errors)
     return torch.cat(scores, -1), fit_errors, sites
 
 

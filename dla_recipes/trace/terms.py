@@ -216,8 +216,13 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
              for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
     last_user = {planned.term.write.outer_norm: k for k, planned in enumerate(terms) if planned.term.write.outer_norm}
     reads, outers = [], {}
+    paths = None if split is None else split.paths  # sources=dict(upstream=...): every write at the sources
     for k, planned in enumerate(terms):
+        if paths is not None:
+            paths.before(layer, planned, modes[k], index)
         reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits))
+        if paths is not None:
+            paths.after(layer, planned, modes[k], reads[-1])
         for path, last in last_user.items():
             if last == k:
                 outers[path] = frozen_at(module_at(layer, path), sites)

@@ -26,11 +26,13 @@ from .pattern import per_prompt
 @dataclass(frozen=True)
 class SourceSplit:
     """``by="source"`` in one block: the plan's ``Sources`` (which heads split, into how many sources), the block,
-    and ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence."""
+    ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence, and ``paths``: with
+    ``Sources.upstream``, what every component wrote at the sources (each (head, source) part split by them)."""
 
     sources: Sources
     layer: int
     offsets: torch.Tensor
+    paths: object = None  # sources=dict(upstream=...): the writes at the sources (``trace.kinds.paths.Paths``)
 
     def heads(self, count: int) -> tuple[bool, ...]:
         """Which of the block's ``count`` heads are split by source."""
@@ -45,6 +47,7 @@ class SourceReads:
         values: ``[batch, pos, kv_heads, head_dim]`` the values at every position of every prompt.
         inputs: ``[n, heads * head_dim]`` the heads as the output projection reads them, at the sites.
         pattern: ``[n, heads, pos]`` the attention pattern at the sites.
+        heads: ``[batch, pos, heads * head_dim]`` the output projection's input at every position.
         rows: ``[n]`` each site's prompt (its row of ``values``).
         pattern_error: ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own).
     """
@@ -54,6 +57,7 @@ class SourceReads:
     pattern: torch.Tensor
     pattern_error: float
     rows: torch.Tensor | None = None
+    heads: torch.Tensor | None = None
 
 
 def prepare(model, plan, sources: Sources) -> None:
@@ -79,7 +83,8 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     attention = module_at(layer, heads.projection.rsplit(".", 1)[0])
     recomputed = None if pattern.returns_weights(attention) else pattern.recompute(
         attention, planned.parts, rows, positions)  # the attention call: before the output projection
-    inputs = at(read_site(module_at(layer, heads.projection), "input", batch), sites).flatten(1)
+    full = read_site(module_at(layer, heads.projection), "input", batch)
+    inputs = at(full, sites).flatten(1)
     if recomputed is None:
         output = attention.output
         weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
@@ -95,7 +100,8 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     rows = rows.to(weights.device)
     rebuilt = grouped_sum(weights, values.to(weights.device), rows).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows)
+    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows,
+                       full)
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
@@ -137,6 +143,12 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
     per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
     index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
     inside = index < keys
-    own = per_source.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+
+    def at_sources(tensor):  # [batch, heads, padded keys] -> [batch, heads, count] at each prompt's own sources
+        return tensor.gather(-1, index.clamp(max=keys - 1)[:, None].expand(-1, heads, -1)) * inside[:, None]
+
+    own = at_sources(per_source)
+    if split.paths is not None:  # each (head, source) part split by the components that wrote the source
+        own = split.paths.split(layer, planned, split.layer, u, at_sources(pattern), own, reads.rows)
     pieces = [own[:, h] if heads_split[h] else whole[:, h:h + 1] for h in range(heads)]
     return torch.cat(pieces, -1), rest + bias, None
