@@ -101,20 +101,6 @@ class Run(NamedTuple):
             return (new(Component, (layer, term, part, index, s, expert, upstream)) for s in source)
         return iter((new(Component, tuple(self)),))
 
-    def labels(self) -> list[str]:
-        """The run's labels, in order (one prefix, then each index, source or upstream component)."""
-        if isinstance(self.upstream, tuple):
-            prefix = f"L{self.layer}.H{self.index}.S{self.source}<-"
-            return [prefix + c for c in self.upstream]
-        if isinstance(self.source, range):
-            prefix = f"L{self.layer}.H{self.index}.S"
-            return [prefix + str(s) for s in self.source]
-        if isinstance(self.index, range):
-            first = Component(self.layer, self.term, self.part, 0, self.source, self.expert).label
-            prefix = first[:-1]  # the label of index 0, less its "0"
-            return [prefix + str(i) for i in self.index]
-        return [Component(*self).label]
-
 
 class Components(Sequence):
     """A sequence of ``Component`` stored as ``Run``s; equal to any sequence of the same components."""
@@ -210,15 +196,14 @@ class Labels(Sequence):
         run, prefix = self.components.runs[k], self._prefixes[k]
         if prefix is None:
             return Component(*run).label
-        varying = run.source if isinstance(run.source, range) else run.index
-        return prefix + str(varying[offset])
+        return prefix + str(varying(run)[offset])
 
     def __iter__(self) -> Iterator[str]:
         for run, prefix in zip(self.components.runs, self._prefixes):
             if prefix is None:
                 yield Component(*run).label
             else:
-                yield from [prefix + str(v) for v in (run.source if isinstance(run.source, range) else run.index)]
+                yield from [prefix + str(v) for v in varying(run)]
 
     def index(self, label, start: int = 0, stop: int | None = None) -> int:
         """The column of ``label`` (its first, at or after ``start`` and before ``stop``); ValueError if none."""
@@ -249,14 +234,16 @@ class Labels(Sequence):
         for k, start in self._lookup.get(label, ()):  # a one-component run of this label
             if self._prefixes[k] is None:
                 found.append(start)
-        match = _NUMBERED.match(label)
-        if match is not None:
-            prefix, number = match.group(1), int(match.group(2))
-            for k, start in self._lookup.get(prefix, ()):
-                run = self.components.runs[k]
-                varying = run.source if isinstance(run.source, range) else run.index
-                if self._prefixes[k] is not None and number in varying:
-                    found.append(start + varying.index(number))
+        if "<-" in label:  # a path part: its source's prefix, then one of the run's upstream labels
+            prefix, _, last = label.partition("<-")
+            prefix += "<-"
+        else:
+            match = _NUMBERED.match(label)
+            prefix, last = (None, None) if match is None else (match.group(1), int(match.group(2)))
+        for k, start in self._lookup.get(prefix, ()) if prefix is not None else ():
+            values = varying(self.components.runs[k])
+            if self._prefixes[k] is not None and last in values:
+                found.append(start + values.index(last))
         yield from sorted(found)
 
     def __eq__(self, other) -> bool:
@@ -281,13 +268,22 @@ class Labels(Sequence):
 
 
 def run_prefix(run: Run) -> str | None:
-    """What every label of a run starts with before its varying number (``"L3.N"``, ``"L3.H5.S"``); None for a
-    run of one component."""
+    """What every label of a run starts with before its varying number (``"L3.N"``, ``"L3.H5.S"``), or before its
+    varying upstream label (``"L3.H5.S2<-"``, a source's path parts); None for a run of one component."""
+    if isinstance(run.upstream, tuple):
+        return f"L{run.layer}.H{run.index}.S{run.source}<-"
     if isinstance(run.source, range):
         return f"L{run.layer}.H{run.index}.S"
     if isinstance(run.index, range):
         return Component(run.layer, run.term, run.part, 0, run.source, run.expert).label[:-1]  # less its "0"
     return None
+
+
+def varying(run: Run):
+    """What varies along a run, in order: its upstream labels, its sources or its indices (a tuple or a range)."""
+    if isinstance(run.upstream, tuple):
+        return run.upstream
+    return run.source if isinstance(run.source, range) else run.index
 
 
 def parse_label(label: str) -> Component:
