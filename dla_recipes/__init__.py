@@ -45,6 +45,8 @@ from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
+from .present.scores import ScoreAttribution
+from .scores import attribute_scores
 from .transport.remote import RemoteBatchError
 
 # The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
@@ -64,11 +66,13 @@ __all__ = [
     "PositionAttribution",
     "RemoteBatchError",
     "RemoteError",
+    "ScoreAttribution",
     "TraceUsageError",
     "TracedAttribution",
     "UnknownFamilyError",
     "attribute",
     "attribute_direction",
+    "attribute_scores",
     "families",
     "head_slice",
     "load",
