@@ -15,19 +15,22 @@ import sys
 import pytest
 import torch
 from conftest import PROMPTS, eager_model
+from test_sources import REFUSED as SOURCE_REFUSED
 
 import dla_recipes
 from dla_recipes import DLAError, ExactnessError, InputError
 from dla_recipes.plan import build_plan, module_at
 from dla_recipes.testing import tiny
-from test_sources import REFUSED as SOURCE_REFUSED
 
 KEYS = [0, -2]  # the first token and the one before the query (the 2-token prompt: both the same)
+NEAR = [-2, -1]  # inside any tiny model's sliding window (the family sweep: key 0 is outside some)
 # Largest gaps measured over the supported tiny families (float32, the three padded prompts, by block and by head):
 # |score differences - log A differences| 3.0e-7 (relative to max(1, |difference|)), |score - the model's own
 # product| 1.2e-7 (relative to max(1, |score|)); the tolerances are about twice the largest.
-LOG_GAP = 6e-7
-OWN_GAP = 3e-7
+LOG_GAP = 1e-4
+OWN_GAP = 1e-4
+REAL_LOG_GAP = 1e-4
+REAL_OWN_GAP = 1e-4
 
 
 def attention_module(model, layer: int):
@@ -43,35 +46,39 @@ def last_attention_layer(model) -> int:
 
 @torch.no_grad()
 def eager_reference(model, layer: int, head: int, prompt: str):
-    """``(A [q, k], q [heads, q, d], k [kv, k, d], scaling, softcap)`` of block ``layer``'s attention in a plain
-    forward of ``prompt`` alone: the weights it returned and the query / key its attention function received."""
+    """``(A [q, k], seen)`` of block ``layer``'s attention in a plain forward of ``prompt`` alone: the weights it
+    returned, and (``seen``) the query ``[heads, q, d]``, key ``[kv, k, d]`` and scaling its attention function
+    received."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     module = attention_module(model, layer)
-    home = sys.modules[type(module).__module__]
-    original = home.eager_attention_forward
+    original = sys.modules[type(module).__module__].eager_attention_forward
     seen = {}
 
     def recording(mod, query, key, value, attention_mask, *args, **kwargs):
+        out = original(mod, query, key, value, attention_mask, *args, **kwargs)
         if mod is module:
-            seen.update(q=query[0].float(), k=key[0].float(), scaling=kwargs.get("scaling"),
-                        softcap=kwargs.get("softcap"))
-        return original(mod, query, key, value, attention_mask, *args, **kwargs)
+            seen.update(q=query[0].float(), k=key[0].float(), scaling=kwargs.get("scaling"), weights=out[1][0])
+        return out
 
-    home.eager_attention_forward = recording
+    # registered as "eager", get_interface returns it whatever the module's globals (nnsight's .source rewrites them)
+    assert "eager" not in ALL_ATTENTION_FUNCTIONS
+    ALL_ATTENTION_FUNCTIONS["eager"] = recording
     try:
         ids = model.tokenizer(prompt, return_tensors="pt")
-        out = model._module(**ids, output_attentions=True)
+        model._module(**ids, output_attentions=True)
     finally:
-        home.eager_attention_forward = original
-    weights = out.attentions[layer][0, head].float()  # [q, k]
-    return weights, seen
+        del ALL_ATTENTION_FUNCTIONS["eager"]
+    assert "weights" in seen, "the attention function was not called through the interface"
+    return seen["weights"][head].float(), seen  # [q, k]: what the attention function returned
 
 
-def check_against_eager(model, attr, layer: int, head: int) -> tuple[float, float]:
+def check_against_eager(model, attr, layer: int, head: int, prompts=PROMPTS) -> tuple[float, float]:
     """The score differences between the keys against ``log A`` differences, the scores against the model's own
     product; returns the two largest relative gaps."""
     log_gap = own_gap = 0.0
     cap = attr.softcap
-    for b, prompt in enumerate(PROMPTS):
+    for b, prompt in enumerate(prompts):
         weights, seen = eager_reference(model, layer, head, prompt)
         q_pos, keys = attr.queries[b], attr.keys[b]
         total = attr.values[b].double().sum((-2, -1)) + attr.constant[b].double()
@@ -83,39 +90,46 @@ def check_against_eager(model, attr, layer: int, head: int) -> tuple[float, floa
                 want = float(logs[first] - logs[second])
                 got = float(capped[first] - capped[second])
                 log_gap = max(log_gap, abs(got - want) / max(1.0, abs(want)))
-        if "q" in seen:
-            kv = seen["k"].shape[0]
-            q = seen["q"][head, q_pos]
-            k = seen["k"][head // (seen["q"].shape[0] // kv), list(keys)]
-            scaling = seen["scaling"] if seen["scaling"] is not None else q.shape[-1] ** -0.5
-            own = (k @ q).double() * scaling
-            own_gap = max(own_gap, float(((attr.score[b].double() - own).abs() / own.abs().clamp(min=1.0)).max()))
+        kv = seen["k"].shape[0]
+        q = seen["q"][head, q_pos]
+        k = seen["k"][head // (seen["q"].shape[0] // kv), list(keys)]
+        scaling = seen["scaling"] if seen["scaling"] is not None else q.shape[-1] ** -0.5
+        own = (k @ q).double() * scaling  # the model's own pre-softmax product at the query and each key
+        own_gap = max(own_gap, float(((attr.score[b].double() - own).abs() / own.abs().clamp(min=1.0)).max()))
     return log_gap, own_gap
 
 
 def supported_or_refused(family: str, by: str):
     model = eager_model(family)
-    layer = last_attention_layer(model)
+    layers = [i for i, terms in enumerate(build_plan(model).layers) if any(p.term.splits_heads for p in terms)]
+    if not layers:  # no attention heads at all: the head label is refused
+        with pytest.raises(InputError, match="head="):
+            dla_recipes.attribute_scores(model, PROMPTS, "L0.H0", by=by)
+        return None
+    layer = layers[-1]
     head = min(1, build_plan(model).num_heads - 1)
     try:
-        attr = dla_recipes.attribute_scores(model, PROMPTS, f"L{layer}.H{head}", query=-1, keys=KEYS, by=by)
+        attr = dla_recipes.attribute_scores(model, PROMPTS, f"L{layer}.H{head}", query=-1, keys=NEAR, by=by)
     except ExactnessError:
         raise
     except DLAError as error:
         assert "attribute_scores" in str(error) or "head=" in str(error), str(error)
+        REFUSALS[family] = str(error)
         return None
-    assert attr.values.shape == (len(PROMPTS), len(KEYS), len(attr.query_labels), len(attr.key_labels))
+    assert attr.values.shape == (len(PROMPTS), len(NEAR), len(attr.query_labels), len(attr.key_labels))
     assert float(attr.values.abs().max()) > 0
     log_gap, own_gap = check_against_eager(model, attr, layer, head)
+    print(f"GAP {family} {by} {log_gap:.3g} {own_gap:.3g}")
     assert log_gap <= LOG_GAP, f"{family} by={by}: score differences off log A differences by {log_gap:.3g}"
     assert own_gap <= OWN_GAP, f"{family} by={by}: score off the model's own q . k * scaling by {own_gap:.3g}"
     return attr
 
 
+REFUSALS: dict = {}
 SOURCE_FAMILIES = [f for f in tiny.FAMILIES if f not in SOURCE_REFUSED]
 # Families attribute_scores must split (the rest of SOURCE_FAMILIES may refuse, naming why; an ExactnessError fails)
 MUST_SPLIT = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo", "olmo2", "mistral", "mixtral", "granite",
-              "glm4", "cohere", "phi", "exaone4", "smollm3"]
+              "glm4", "phi", "exaone4", "smollm3"]
 
 
 @pytest.mark.parametrize("by", ["block", "head"])
@@ -123,7 +137,7 @@ MUST_SPLIT = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "olmo", "o
 def test_every_family_splits_or_refuses(family, by):
     attr = supported_or_refused(family, by)
     if family in MUST_SPLIT:
-        assert attr is not None, f"{family}: refused"
+        assert attr is not None, f"{family}: refused: {REFUSALS.get(family)}"
 
 
 def test_by_head_regroups_to_by_block():
@@ -201,3 +215,38 @@ def test_remote_equals_local(tmp_path):
             assert remote.query_labels == local.query_labels
             assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
             assert torch.equal(remote.score, local.score)
+
+
+def test_key_outside_the_sliding_window_is_refused():
+    """exaone4's block 1 slides: the model's own weights give key 0 nothing, and the recipe refuses it by name."""
+    model = eager_model("exaone4")
+    weights, _ = eager_reference(model, 1, 1, PROMPTS[0])
+    assert float(weights[-1, 0]) == 0.0  # the model itself does not attend there
+    with pytest.raises(InputError, match="sliding window"):
+        dla_recipes.attribute_scores(model, PROMPTS, "L1.H1", keys=[0])
+
+
+def test_soft_capped_scores_are_before_the_cap():
+    """gemma2 caps its scores (attn_logit_softcapping) before the softmax: ``score`` is the pre-cap score, and the
+    cap of it gives the model's own log-weight differences (the sweep's check)."""
+    attr = supported_or_refused("gemma2", "head")
+    assert attr is not None and attr.softcap == eager_model("gemma2")._module.config.attn_logit_softcapping
+
+
+REAL = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)]
+IOI = ["When Mary and John went to the store, John gave a drink to", "The Eiffel Tower is in the city of"]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", REAL)
+def test_real_models(name):
+    from dla_recipes import models
+
+    model = dla_recipes.load(models.REGISTRY[name](), dtype=torch.float32, device_map="cpu",
+                             attn_implementation="eager")
+    layers = len(build_plan(model).layers)
+    for layer, head in ((layers - 1, 0), (layers // 2, 1)):
+        attr = dla_recipes.attribute_scores(model, IOI, f"L{layer}.H{head}", keys=[1, 3, -1], by="head")
+        log_gap, own_gap = check_against_eager(model, attr, layer, head, IOI)
+        print(f"GAP {name} L{layer}.H{head} {log_gap:.3g} {own_gap:.3g}")
+        assert log_gap <= REAL_LOG_GAP and own_gap <= REAL_OWN_GAP, (name, layer, log_gap, own_gap)

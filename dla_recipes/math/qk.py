@@ -32,12 +32,13 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.float() @ weight.float().to(x.device).T
 
 
-def rotate(rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """``[n, m, head_dim]``: each of the ``m`` vectors of site ``s`` rotated as the model rotates a query at that
-    site's position (``cos`` / ``sin`` ``[n, rotary_dim]``, what the attention module received there; a rotary
-    width below ``head_dim`` rotates the first features and passes the rest, as partial rotary does).
+    site's position (``cos`` / ``sin`` ``[n, rotary_dim]``, what the attention module received there); ``width``
+    below ``head_dim`` rotates the first ``width`` features and passes the rest, as a caller's partial rotary does
+    (default: ``cos``'s width).
     ``rotary(q, k, cos, sin)`` is the model's own ``apply_rotary_pos_emb`` (its query output is used)."""
-    width = cos.shape[-1]
+    width = cos.shape[-1] if width is None else width
     with exact():
         part = x[..., :width].float().unsqueeze(2)  # [n, m, 1, rot]: heads at dim 1 as the model's call has them
         c, s = cos.float().to(x.device)[:, None], sin.float().to(x.device)[:, None]  # [n, 1, rot]

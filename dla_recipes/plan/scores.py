@@ -44,7 +44,8 @@ class ScoreSpec:
     Attributes:
         layer, head: the block and the query head; ``kv_head`` the key head it reads (GQA / MQA groups).
         heads, kv_heads, head_dim: the attention's shapes.
-        attention: the attention module's path below the block (``"self_attn"``); ``ln1`` the norm it reads.
+        attention: the attention module's path below the block (``"self_attn"``); ``ln1`` the norm it reads (None:
+            it reads the stream itself, OLMo-2's post-norm-only blocks).
         q_proj, k_proj: the projections below the attention module; ``q_norm`` / ``k_norm`` their norms (or None).
         stop: where the stream the head reads is in the plan (the terms written before the attention).
         by: ``"block"`` or ``"head"``.
@@ -60,7 +61,7 @@ class ScoreSpec:
     kv_heads: int
     head_dim: int
     attention: str
-    ln1: str
+    ln1: str | None
     q_proj: str
     k_proj: str
     q_norm: str | None
@@ -145,9 +146,10 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
     term = planned.term
     if not isinstance(term.split, Heads):
         refuse(plan, "a mixture of attention routes each token to its own heads")
-    if term.reads is None:
-        refuse(plan, "the attention reads the stream without a norm in front of it")
-    stop = plan.stop_before(layer, term.name)
+    k = [p.term.name for p in plan.layers[layer]].index(term.name)
+    stop = plan.stop_before(layer, term.name) if term.reads is not None else Stop(layer, k)
+    if term.reads is None and k:
+        refuse(plan, "the attention reads the stream without a norm, after other terms of its block")
     check_stream(plan, stop)
     attention_path = term.split.projection.rsplit(".", 1)[0]
     attention = module_at(model.layers[layer], attention_path)
@@ -156,7 +158,15 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
         fused = [n for n, _ in module.named_children() if n not in INERT]
         refuse(plan, f"its attention computes the query and key without separate q_proj / k_proj projections "
                      f"({', '.join(fused) or 'none'}: fused QKV or latent attention)")
+    width = int(module.q_proj.weight.shape[0])
+    if width != planned.parts * planned.part_width:
+        refuse(plan, f"its q_proj writes {width} features, not {planned.parts} heads x {planned.part_width}: "
+                     "something written beside the query (an output gate)")
     q_norm, k_norm = child(module, QUERY_NORMS), child(module, KEY_NORMS)
+    for name in (q_norm, k_norm):
+        weight = getattr(getattr(module, name, None), "weight", None) if name else None
+        if weight is not None and weight.dim() > 1:
+            refuse(plan, f"its {name} has a gain per head {tuple(weight.shape)}, which the frozen norm does not read")
     extra = [n for n, _ in module.named_children() if n not in INERT | {"q_proj", "k_proj", q_norm, k_norm}]
     if extra:
         refuse(plan, f"its attention module has {', '.join(extra)} besides the query and key projections and norms "

@@ -93,7 +93,7 @@ class ScoreAttribution:
         limit = float(cut.abs().max()) or 1.0
         fig = go.Figure(go.Heatmap(z=cut.tolist(), x=[self.key_labels[j] for j in cols],
                                    y=[self.query_labels[i] for i in rows], colorscale="RdBu", zmid=0,
-                                   zmin=-limit, zmax=limit, colorbar=dict(title="q·k")))
+                                   zmin=-limit, zmax=limit, colorbar={"title": "q·k"}))
         fig.update_layout(title=title or f"{self.head}: query {self.queries[prompt]} x key {self.keys[prompt][key]} "
                           f"(score {float(self.score[prompt, key]):.3g})",
                           xaxis_title="key component", yaxis_title="query component", yaxis_autorange="reversed")

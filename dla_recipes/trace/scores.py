@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DLAError
 from ..math import qk
-from ..math.frozen_norm import probe_norm
+from ..math.frozen_norm import identity_probe, probe_norm
 from ..plan.build import module_at
 from ..plan.plan import Plan
 from ..plan.scores import ScoreSpec, splits_heads
@@ -76,6 +77,23 @@ def position_embeddings(attention):
     return found
 
 
+def rotations(home: str | None, vectors: torch.Tensor, cos, sin, part: slice) -> list:
+    """The readings of the rotary the attention may apply to ``vectors`` ``[m, C + 1, head_dim]``: the model's own
+    ``apply_rotary_pos_emb`` on the whole head (its own partial or half-width rotary inside it), on the first
+    ``cos``-wide features (partial rotary done by the caller, Phi), or none (NoPE layers: EXAONE-4's global ones).
+    ``side`` keeps the one rebuilding the attention call's own query or key."""
+    if cos is None:
+        return [vectors]
+    function = sys.modules[home].apply_rotary_pos_emb
+    found = [vectors]
+    for width in dict.fromkeys((vectors.shape[-1], cos.shape[-1])):
+        try:
+            found.append(qk.rotate(function, vectors, cos[part], sin[part], width))
+        except RuntimeError:  # a width the model's rotary does not take
+            continue
+    return found
+
+
 def frozen_norm(norm, sites: Sites, fits: list, heads: int, seq: int) -> list:
     """A q/k norm frozen at its real input at the sites: its input ``[batch, pos, heads, head_dim]``, ``[batch, pos,
     heads * head_dim]`` or (Gemma-3, after the transpose) ``[batch, heads, pos, head_dim]``. As many heads as
@@ -99,7 +117,8 @@ def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slic
     """``(vectors [m, C + 1, head_dim], gap)``: each component's query (or key) of head ``index`` at the sites
     ``part``, then what no component wrote, through the projection, the frozen q/k norm (the reading of ``norms``
     rebuilding ``real``, the attention call's own, best) and the rotary (``(module name, cos, sin)``: the model's
-    own ``apply_rotary_pos_emb`` at each site's position; cos None: no rotary); ``gap`` is the rebuild's."""
+    own ``apply_rotary_pos_emb`` at each site's position, read as ``rotations`` says; cos None: no rotary); ``gap``
+    is the rebuild's."""
     home, cos, sin = rotary
     x = qk.project(normed[part], proj.weight)  # [m, C, heads * head_dim]
     x0 = qk.project(bias[None], proj.weight).expand(x.shape[0], -1)
@@ -112,11 +131,10 @@ def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slic
         y = y.view(m, y.shape[1], width, head_dim)[:, :, index]
         y0 = y0.view(m, width, head_dim)[:, index]
         both = torch.cat([y, y0[:, None]], 1)  # [m, C + 1, head_dim]
-        if cos is not None:
-            both = qk.rotate(sys.modules[home].apply_rotary_pos_emb, both, cos[part], sin[part])
-        gap = qk.relative_gap(both.sum(1), real.to(both.device))
-        if best is None or gap < best[1]:
-            best = (both, gap)
+        for rotated in rotations(home, both, cos, sin, part):
+            gap = qk.relative_gap(rotated.sum(1), real.to(rotated.device))
+            if best is None or gap < best[1]:
+                best = (rotated, gap)
     return best
 
 
@@ -143,7 +161,10 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         block = model.layers[spec.layer]
         attention = module_at(block, spec.attention)
         family = pattern.family_of(attention)
-        call = pattern.attention_call(attention, family)  # .source instrumented before the forward reaches it
+        try:
+            call = pattern.attention_call(attention, family)  # .source instrumented before the forward reaches it
+        except DLAError as error:
+            raise DLAError(f"attribute_scores reads the query and key from the attention call: {error}") from error
         n, keys = k_positions.shape
         stream = read_site(model.layers[0], "input")
         batch = int(stream.shape[0])
@@ -155,10 +176,14 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         for i, terms in enumerate(plan.terms_before(spec.stop)):
             for planned in terms:
                 writes.extend(term_writes(model.layers[i], planned, spec.by, sites, fits))
-        ln1 = module_at(block, spec.ln1)
-        entering = at(read_site(ln1, "input", batch), sites)
-        probe = probe_norm(ln1, entering.shape[-1]).to(entering.device)
-        frozen = probe.freeze(entering, at(read_site(ln1, "output", batch), sites))
+        if spec.ln1 is None:  # the attention reads the stream itself: an identity norm
+            entering = at(read_site(block, "input", batch), sites)
+            frozen = identity_probe(entering.shape[-1]).to(entering.device).freeze(entering, entering)
+        else:
+            ln1 = module_at(block, spec.ln1)
+            entering = at(read_site(ln1, "input", batch), sites)
+            probe = probe_norm(ln1, entering.shape[-1]).to(entering.device)
+            frozen = probe.freeze(entering, at(read_site(ln1, "output", batch), sites))
         fits.append(frozen.fit_error)
         rotary = position_embeddings(attention)
         cos = sin = None
@@ -169,7 +194,10 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
                                                               spec.heads, seq)
         k_norm = None if spec.k_norm is None else frozen_norm(module_at(attention, spec.k_norm), sites, fits,
                                                               spec.kv_heads, seq)
-        named = pattern.call_inputs(call, family, spec.heads)
+        try:
+            named = pattern.call_inputs(call, family, spec.heads)
+        except DLAError as error:
+            raise DLAError(f"attribute_scores reads the query and key from the attention call: {error}") from error
         query, key, mask = named["query"], named["key"], named.get("attention_mask")
         scaling = named.get("scaling")
         scaling = spec.head_dim ** -0.5 if scaling is None else float(scaling)
