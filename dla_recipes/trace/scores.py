@@ -143,9 +143,10 @@ def through_norm(frozen, x: torch.Tensor, x0: torch.Tensor, heads: int):
     n, count, width = x.shape
     if frozen is None:
         return x, x0
-    if frozen.gain.shape[-1] == width:  # one norm over every head's features (OLMo-2)
-        return (qk.frozen_linear(frozen.gain, frozen.centers, frozen.scale[:n, None], x),
-                qk.frozen_linear(frozen.gain, frozen.centers, frozen.scale[:n], x0) + frozen.bias.to(x0.device))
+    if frozen.gain.shape[-1] == width:  # one norm over every head's features (OLMo-2), or one head in all (MQA)
+        scale = frozen.scale[:n].reshape(n)
+        return (qk.frozen_linear(frozen.gain, frozen.centers, scale[:, None], x),
+                qk.frozen_linear(frozen.gain, frozen.centers, scale, x0) + frozen.bias.to(x0.device))
     head_dim = frozen.gain.shape[-1]
     scale = frozen.scale[:n]  # [n, heads]
     parts = qk.frozen_linear(frozen.gain, frozen.centers, scale[:, None], x.view(n, count, heads, head_dim))
