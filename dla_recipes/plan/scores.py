@@ -159,8 +159,10 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
         refuse(plan, f"its attention computes the query and key without separate q_proj / k_proj projections "
                      f"({', '.join(fused) or 'none'}: fused QKV or latent attention)")
     width = int(module.q_proj.weight.shape[0])
-    if width != planned.parts * planned.part_width:
-        refuse(plan, f"its q_proj writes {width} features, not {planned.parts} heads x {planned.part_width}: "
+    head_dim = getattr(module, "head_dim", None)  # the query / key head width (MiMo's values are wider)
+    head_dim = int(head_dim) if isinstance(head_dim, int) else planned.part_width
+    if width != planned.parts * head_dim:
+        refuse(plan, f"its q_proj writes {width} features, not {planned.parts} heads x {head_dim}: "
                      "something written beside the query (an output gate)")
     q_norm, k_norm = child(module, QUERY_NORMS), child(module, KEY_NORMS)
     for name in (q_norm, k_norm):
@@ -174,7 +176,6 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
     if getattr(getattr(module, "config", None), "_attn_implementation", "eager") is None:
         refuse(plan, "its attention is its own code (no attention call to read the query and key from)")
     heads = planned.parts
-    head_dim = planned.part_width
     kv_width = int(module.k_proj.weight.shape[0])
     kv_heads = kv_width // head_dim
     if kv_heads < 1 or heads % kv_heads:
