@@ -49,6 +49,8 @@ from .present import plots
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
 from .present.stats import AttributionStats, Stats
+from .present.scores import ScoreAttribution
+from .scores import attribute_scores
 from .transport.remote import RemoteBatchError
 
 # The two user-facing namespaces that live inside a stage are importable by their short path too, as os.path is:
@@ -70,12 +72,14 @@ __all__ = [
     "RemoteBatchError",
     "RemoteError",
     "Stats",
+    "ScoreAttribution",
     "TraceUsageError",
     "TracedAttribution",
     "UnknownFamilyError",
     "attribute",
     "attribute_dataset",
     "attribute_direction",
+    "attribute_scores",
     "families",
     "head_slice",
     "load",

@@ -1,7 +1,7 @@
 """The public face: the verbs and their types at the top, everything else in a namespace that reads like the stage.
 
-``dla_recipes.__all__`` lists the verbs (``load``, ``attribute``, ``attribute_direction``, ``trace_attribution``),
-their result types, the head-editing helper (``head_slice``, ``HeadSlice``) and the errors, plus the namespaces; the
+``dla_recipes.__all__`` lists the verbs (``load``, ``attribute``, ``attribute_direction``, ``attribute_scores``,
+``trace_attribution``), their result types, the head-editing helper (``head_slice``, ``HeadSlice``) and the errors, plus the namespaces; the
 in-trace readers and recipes are ``dla_recipes.trace``, the table ``dla_recipes.families``, the plan
 ``dla_recipes.plan``, the frozen norm ``dla_recipes.math``. ``dla_recipes.plots`` and ``dla_recipes.models`` import
 by their short path too.
@@ -12,9 +12,10 @@ import inspect
 
 import dla_recipes
 
-VERBS = {"load", "attribute", "attribute_direction", "trace_attribution", "attribute_dataset"}
+VERBS = {"load", "attribute", "attribute_direction", "attribute_dataset", "attribute_scores", "trace_attribution"}
 NAMESPACES = {"families", "math", "models", "plan", "plots", "trace"}
-TYPES = {"Attribution", "PositionAttribution", "TracedAttribution", "HeadSlice", "AttributionStats", "Stats"}
+TYPES = {"Attribution", "PositionAttribution", "ScoreAttribution", "TracedAttribution", "HeadSlice", "AttributionStats",
+         "Stats"}
 HELPERS = {"head_slice"}
 
 
