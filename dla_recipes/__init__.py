@@ -48,8 +48,8 @@ from .plan.heads import HeadSlice, head_slice
 from .present import plots
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
-from .present.stats import AttributionStats, Stats
 from .present.scores import ScoreAttribution
+from .present.stats import AttributionStats, Stats
 from .scores import attribute_scores
 from .transport.remote import RemoteBatchError
 
@@ -71,8 +71,8 @@ __all__ = [
     "PositionAttribution",
     "RemoteBatchError",
     "RemoteError",
-    "Stats",
     "ScoreAttribution",
+    "Stats",
     "TraceUsageError",
     "TracedAttribution",
     "UnknownFamilyError",

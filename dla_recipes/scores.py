@@ -21,7 +21,7 @@ from .plan.scores import score_spec
 from .present.scores import ScoreAttribution
 from .selfcheck import model_dtype
 from .trace.scores import ScoreCall
-from .transport.batches import groups, offsets, prepare, token_lengths
+from .transport.batches import groups, offsets, prepare, token_ids
 from .transport.run import run as run_batches
 
 REBUILD_RTOL = 1e-4  # float32: the stream, query and key rebuilt from the components (llama 3e-7); a family whose
@@ -73,7 +73,8 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
     model = as_standardized(model)
     plan = build_plan(model)
     spec = score_spec(model, plan, head, by)
-    lengths = token_lengths(model, prompts)
+    ids = token_ids(model, plan, prompts, every=True)  # each prompt's own length, whatever the padding
+    lengths = [len(i) for i in ids] if ids is not None else [0] * len(prompts)  # no tokenizer: prepare raises
     queries = [own_positions(query, n, "query", b) for b, n in enumerate(lengths)]
     own_keys = [[own_positions(k, n, "keys", b) for k in keys] for b, n in enumerate(lengths)]
     for b, (q, ks) in enumerate(zip(queries, own_keys)):
@@ -81,8 +82,10 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
         if after:
             raise InputError(f"keys={keys}: prompt {b}'s key position(s) {after} come after its query ({q}): a "
                              "causal head attends only to earlier positions")
-    run_groups = groups(model, plan, prompts, batch_size)
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, query, rows=g) for g in run_groups)
+    run_groups = groups(model, plan, prompts, batch_size, ids)
+    unpadded = None if plan.family.padding_safe else ids  # padding-unsafe: each batch is these ids, unpadded
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, query, rows=g,
+                            ids=None if unpadded is None else [unpadded[i] for i in g]) for g in run_groups)
     calls = []
     for g, batch in zip(run_groups, batches):
         start = offsets(batch)  # [n]: where each prompt's own tokens start

@@ -367,12 +367,12 @@ def groups(model, plan, prompts: list, batch_size: int | None, ids: Sequence | N
     return group_prompts(lengths, batch_size, safe)
 
 
-def token_ids(model, plan, prompts: Sequence) -> list[list[int]] | None:
-    """Each prompt's own token ids as ``prepare`` tokenizes it, in ONE tokenizer call, on a padding-unsafe family:
-    grouped by length (``groups``), then padded into each batch (``prepare(ids=...)``). None on a padding-safe
-    family (each batch is tokenized once, in ``prepare``) or without a tokenizer (``prepare`` raises)."""
+def token_ids(model, plan, prompts: Sequence, every: bool = False) -> list[list[int]] | None:
+    """Each prompt's own token ids as ``prepare`` tokenizes it, in ONE tokenizer call, on a padding-unsafe family
+    (``every``: on any family): grouped by length (``groups``), then padded into each batch (``prepare(ids=...)``).
+    None on a padding-safe family (each batch is tokenized once, in ``prepare``) or without a tokenizer."""
     tokenizer = model.tokenizer
-    if plan.family.padding_safe or tokenizer is None:
+    if (plan.family.padding_safe and not every) or tokenizer is None:
         return None
     texts = [p for p in prompts if isinstance(p, str)]
     encoded = iter(tokenizer(texts)["input_ids"] if texts else [])
