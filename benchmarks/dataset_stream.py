@@ -1,4 +1,4 @@
-"""A dataset streamed (issue 20): ``python benchmarks/datasets.py [--tiny 1000,10000] [--smollm2 100,1000] ...``.
+"""A dataset streamed (issue 20): ``python benchmarks/dataset_stream.py [--tiny 1000,10000] [--smollm2 100,1000] ...``.
 
 ``attribute_dataset(model, rows, out=DIR)`` over a generator of rows (nothing holds the whole dataset): a tiny
 random Llama by block (default 1,000 and 10,000 prompts) and SmolLM2-135M by head on IOI-style prompts (default
@@ -8,7 +8,7 @@ warm-up run done, the heap trimmed, the peak-RSS mark reset (``common.reset_peak
 Reported: prompts per second, the peak RSS above the loaded model (flat in the number of prompts is the target:
 only one chunk is held at a time) and the bytes written. Numbers are reported, never asserted.
 
-    OMP_NUM_THREADS=1 python benchmarks/datasets.py --tiny 200,2000 --smollm2 32,64 --batch 32
+    OMP_NUM_THREADS=1 python benchmarks/dataset_stream.py --tiny 200,2000 --smollm2 32,64 --batch 32
 """
 
 from __future__ import annotations
