@@ -79,23 +79,42 @@ def linear_pullback(module, u: torch.Tensor, transposed: bool):
     return rowwise(u, lambda rows: matmul_f32(rows, weight, transpose=transposed)), constant
 
 
-DEDUPE_ROWS = 32  # from this many rows, equal rows of a pull-back are computed once
-# The fewest rows the distinct ones are computed as: a product of 1-3 rows takes another BLAS kernel (matrix-vector)
-# whose rows differ in their last bits from the batched product's, and the dedupe must change no number
-# (tests/test_fast_paths.py). Measured on the CPU (torch 2.13.0, float32, 64x64 .. 576x1536): each row of a 4-row
-# product equals the same row of a 48-row one bit for bit; of a 1- or 2-row product, not.
-DEDUPE_MIN = 4
+DEDUPE_ROWS = 32  # from this many rows, equal rows of a pull-back are computed once (0: never)
+DEDUPE_SAVING = 8  # ... when at least 1 row in DEDUPE_SAVING is a repeat (else the gather costs more than it saves)
+MIN_ROWS = 4  # a product of fewer rows takes another BLAS path (gemv) whose rounding differs: padded to this many
+
+
+def distinct_rows(u: torch.Tensor):
+    """``(first [k], inverse [n])`` long: the first row of each distinct row of ``u`` ``[n, d]`` (equal bit for bit)
+    and each row's group, ``u[first][inverse]`` equal to ``u`` bit for bit; None when a hash collision could not be
+    ruled out (then no row is shared). One pass over ``u`` (a hash of each row's bits, sorted in 1-D, then checked),
+    where ``torch.unique(dim=0)`` compares rows one pair at a time (milliseconds a call on 500 rows)."""
+    bits = u.contiguous().view(torch.int32) if u.dtype == torch.float32 else u.contiguous().view(torch.int16)
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randint(-(2**62), 2**62, (u.shape[-1],), generator=generator, dtype=torch.int64)
+    keys = (bits.long() * weights.to(bits.device)).sum(-1)  # wraps around modulo 2^64: a hash of the row's bits
+    _, inverse = torch.unique(keys, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), u.shape[0], dtype=torch.long, device=u.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(u.shape[0], device=u.device), "amin")
+    if not torch.equal(bits[first][inverse], bits):  # two different rows hashed alike: share nothing
+        return None
+    return first, inverse
 
 
 def rowwise(u: torch.Tensor, f):
     """``f(u)`` for a function ``f`` of each row of ``u`` ``[n, d]`` alone, computing each distinct row once: the
     sites of a call often share their direction (one target at every position, a few distinct next tokens), and the
-    pull-back through a projection is the recipe's largest product."""
-    if u.shape[0] < DEDUPE_ROWS:
+    pull-back through a projection is the recipe's largest product.
+
+    Bit-identical to ``f(u)`` on the CPU (a row of a float32 product of ``MIN_ROWS`` rows or more has the same
+    bits whichever other rows it is computed with: measured, torch 2.13's CPU BLAS); on a GPU the library may pick
+    another kernel for fewer rows, so a shared row may differ from ``f(u)``'s by float rounding."""
+    if u.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not DEDUPE_ROWS or u.shape[0] < max(DEDUPE_ROWS, MIN_ROWS):
         return f(u)
-    distinct, inverse = torch.unique(u, dim=0, return_inverse=True)
-    if distinct.shape[0] > u.shape[0] // 2:  # mostly distinct: sorting them bought nothing, skip the gather
-        return f(u)
-    if distinct.shape[0] < DEDUPE_MIN:  # padded with copies of its first row: the batched product's kernel
-        distinct = torch.cat([distinct, distinct[:1].expand(DEDUPE_MIN - distinct.shape[0], -1)])
-    return f(distinct)[inverse]
+    found = distinct_rows(u)
+    if found is None or found[0].shape[0] * DEDUPE_SAVING > u.shape[0] * (DEDUPE_SAVING - 1):
+        return f(u)  # mostly distinct: the gather would cost more than the rows it saves
+    first, inverse = found
+    if first.shape[0] < MIN_ROWS:  # pad with the first rows, so the product takes the many-row path
+        first = torch.cat([first, torch.arange(MIN_ROWS - first.shape[0], device=first.device) % u.shape[0]])
+    return f(u.index_select(0, first)).index_select(0, inverse)  # index_select: advanced indexing's copy, faster

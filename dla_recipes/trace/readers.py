@@ -65,9 +65,15 @@ class Sites(NamedTuple):
 
 
 def at(value: torch.Tensor, sites: Sites) -> torch.Tensor:
-    """``[n, ...]``: ``value[rows, positions]`` at the sites, in float32 (advanced indexing copies, so later in-place
-    edits cannot reach it)."""
-    return value[sites.rows.to(value.device), sites.positions.to(value.device)].float()
+    """``[n, ...]``: ``value[rows, positions]`` at the sites, in float32 (a copy, so later in-place edits cannot reach
+    it). A contiguous value is read as ``[batch * pos, ...]`` rows (``index_select``: the same copy as advanced
+    indexing, bit for bit, in less than half its time on ``[batch, pos, d_mlp]``)."""
+    rows, positions = sites.rows.to(value.device), sites.positions.to(value.device)
+    if not value.is_contiguous() or value.dim() < 2:
+        return value[rows, positions].float()
+    width = value.shape[1]
+    flat = rows * width + torch.where(positions < 0, positions + width, positions)
+    return value.flatten(0, 1).index_select(0, flat).float()
 
 
 def frozen_at(norm, sites: Sites) -> FrozenNorm:

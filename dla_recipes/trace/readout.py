@@ -49,6 +49,9 @@ class Readout:
         first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
         unit_roundoff: ``u`` of the dtype the model computed in, read where it ran (server side on NDIF, where the
             client's model has no weights and may not know it); 0 when unknown.
+
+    ``buffer`` (not sent): the ``[batch, n_components + len(FIELDS)]`` tensor whose first columns ``values`` is
+    (``recipe.joined``): ``pack`` writes the fields into its last columns instead of copying ``values`` again.
     """
 
     values: torch.Tensor
@@ -71,6 +74,7 @@ class Readout:
     finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
     first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)  # values' own, with room (pack)
 
     FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale", "pattern_error", "pattern_layer",
               "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "split_worst_gap",
@@ -78,8 +82,14 @@ class Readout:
 
     def pack(self) -> torch.Tensor:
         """``[batch, n_components + len(FIELDS)]`` float32: everything in one tensor, the cheapest to send back."""
-        batch = self.values.shape[0]
+        batch, width = self.values.shape[0], self.values.shape[-1]
         extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self.FIELDS]
+        buffer = self.buffer  # the recipe wrote the values into the first columns of a buffer with room: fill it
+        if (buffer is not None and tuple(buffer.shape) == (batch, width + len(self.FIELDS))
+                and buffer.dtype == torch.float32 and self.values.data_ptr() == buffer.data_ptr()
+                and self.values.stride() == buffer.stride()):
+            buffer[:, width:] = torch.stack(extra, -1).to(buffer.device)
+            return buffer
         return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
 
     @classmethod

@@ -85,7 +85,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
               stop: Stop | None = None, sources: Sources | None = None,
               offsets: torch.Tensor | None = None,
               rounding: Rounding | None = None, edits: bool = False,
-              patterns: list | None = None, rows: torch.Tensor | None = None,
+              patterns: list | None = None, rows: torch.Tensor | None = None, room: int = 0,
               ) -> tuple[torch.Tensor, list[float], Sites]:
     """``[n, n_components]``: every term written before ``stop`` at the sites, dotted with ``direction``
     ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
@@ -100,6 +100,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     the forward pass may be edited, so each split term's gap is a column of its own (``L3.mlp.edit``, before its
     rest): what it wrote beyond its parts and bias. ``patterns`` collects each source-split block's
     ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
+    ``room``: the scores come back as the first columns of a ``[n, n_components + room]`` buffer (returned whole),
+    whose last ``room`` columns ``Readout.pack`` fills: one buffer of the result's size is allocated, not three.
     """
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
@@ -146,7 +148,17 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             weights = [torch.einsum("b...k,bk->b...", w, collapse) for w in carried]
         scores = [(scores[0] * weights[0]).sum(-1, keepdim=True)] + [s * w[:, None] for s, w in zip(scores[1:], weights[1:])]
     fit_errors.extend([] if paths is None else paths.errors)
-    return torch.cat(scores, -1), fit_errors, sites
+    return joined(scores, room), fit_errors, sites
+
+
+def joined(scores: list, room: int = 0) -> torch.Tensor:
+    """``[n, width + room]``: the score groups ``[n, w_k]`` side by side (``torch.cat``), then ``room`` unset columns."""
+    if not room:
+        return torch.cat(scores, -1)
+    width = sum(int(s.shape[-1]) for s in scores)
+    out = torch.empty(scores[0].shape[0], width + room, dtype=scores[0].dtype, device=scores[0].device)
+    torch.cat(scores, -1, out=out[:, :width])
+    return out
 
 
 def direct_logit_attribution(
@@ -184,8 +196,10 @@ def direct_logit_attribution(
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         patterns: list = []
-        scores, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
-                                              edits, patterns, rows)
+        room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
+        buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
+                                              edits, patterns, rows, room)
+        scores = buffer[:, :buffer.shape[1] - room]
         pattern_error, pattern_layer = max(patterns, default=(0.0, -1))
         rows = sites.rows
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
@@ -197,7 +211,6 @@ def direct_logit_attribution(
         y = at(normed, Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
         final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
-        values = scores * final.scale.to(scores.device).unsqueeze(-1)
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
         kept = positions - (stream.shape[1] - head_out.shape[1])
         head = linear_targets.pick(head_out, rows, kept, target)  # [n, K] at the target's tokens
@@ -209,6 +222,9 @@ def direct_logit_attribution(
         logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
         head_rows = linear_targets.head_rows(target, model.lm_head.weight)
         size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
+        checks = rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
+                                 computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
+        values = scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
         return Readout(
             values=values.cpu(),
             constant=constant.cpu(),
@@ -219,8 +235,8 @@ def direct_logit_attribution(
             scale=final.scale.cpu(),
             pattern_error=torch.tensor(float(pattern_error)),
             pattern_layer=torch.tensor(float(pattern_layer)),
-            **rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
-                              computed_in=model.lm_head.weight.dtype),
+            buffer=buffer,
+            **checks,
         )
 
 
@@ -253,23 +269,28 @@ def direction_attribution(
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
         pulled = probe.center(probe.gain * v)
-        scores, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows)
+        room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
+        buffer, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows,
+                                              room=room)
+        scores = buffer[:, :buffer.shape[1] - room]
         stream = at(read_site(norm, "input", sites.batch), sites)
         output = at(read_site(norm, "output", sites.batch), sites)
         frozen = probe.freeze(stream, output)
         fit_errors.append(frozen.fit_error)
         own = dot(output, v)  # the model's own normed stream, read along the direction
+        checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
+                                 len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
+                                 computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
         return Readout(
-            values=(scores * frozen.scale.to(scores.device).unsqueeze(-1)).cpu(),
+            values=scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1)).cpu(),  # in place
             constant=dot(v, probe.bias).cpu(),
             logit=own.cpu(),
             output_logit=own.cpu(),
             head_error=torch.zeros(()),
             norm_fit_error=torch.tensor(max(fit_errors)),
             scale=frozen.scale.cpu(),
-            **rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
-                              len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
-                              computed_in=model.lm_head.weight.dtype),
+            buffer=buffer,
+            **checks,
         )
 
 
