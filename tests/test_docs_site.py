@@ -36,7 +36,8 @@ CHROMIUM_FLAGS = (
     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1280,1600",
     "--hide-scrollbars",
 )
-NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "why-the-head-attended/", "every-position/", "families/", "remote/",
+NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "why-the-head-attended/",
+                  "every-position/", "a-dataset/", "families/", "remote/",
                   "attribute-direction/", "ablate-patch-steer/", "gallery/"]
 PAGES = ["", *NOTEBOOK_PAGES, "family-table/", "layout/", "api/"]
 

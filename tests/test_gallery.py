@@ -30,7 +30,8 @@ EXECUTED = [pytest.param(p, id=p.stem, marks=[pytest.mark.server] if RUNNER.need
 def test_the_gallery_has_its_recipes():
     names = {p.stem for p in RECIPES}
     assert {"10_per_block", "20_head_heatmap", "30_top_neurons", "40_dataset_logit_difference", "70_remote_ndif",
-            "80_direction", "90_seed_recipe_by_hand", "95_every_position"} <= names, sorted(names)
+            "80_direction", "90_seed_recipe_by_hand", "95_every_position",
+            "97_dataset_stats"} <= names, sorted(names)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
