@@ -31,7 +31,7 @@ def test_the_gallery_has_its_recipes():
     names = {p.stem for p in RECIPES}
     assert {"10_per_block", "20_head_heatmap", "30_top_neurons", "40_dataset_logit_difference", "70_remote_ndif",
             "80_direction", "90_seed_recipe_by_hand", "95_every_position",
-            "97_dataset_stats"} <= names, sorted(names)
+            "97_dataset_stats", "98_why_the_head_attended"} <= names, sorted(names)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
