@@ -290,7 +290,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "args": GROUND,
     "families": GROUND,
     "math": (),
-    "present": GROUND,
+    "present": GROUND + ("math",),
     "selfcheck": GROUND + ("math",),
     "loading": GROUND + ("args", "families"),
     "plan": GROUND + ("args", "families"),

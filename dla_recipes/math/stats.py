@@ -102,3 +102,16 @@ def accumulate(values: torch.Tensor, index: torch.Tensor, seed: int, replicates:
             "weight": w.sum(0),
             "flip": s.T @ x,
         }
+
+
+def merged(a, b) -> dict:
+    """The accumulators of two disjoint sets of samples (``a``, ``b``: anything with ``accumulate``'s fields as
+    attributes, ``count`` a number or a ``[]`` tensor), as one: counts and replicate sums add, the means and ``m2``
+    merge by Chan's parallel formula (``m2 = m2_a + m2_b + delta^2 n_a n_b / n``)."""
+    na, nb = a.count, b.count
+    total = na + nb
+    delta = b.mean - a.mean
+    return {"count": total, "mean": a.mean + delta * (nb / total), "m2": a.m2 + b.m2 + delta**2 * (na * nb / total),
+            "positive": a.positive + b.positive, "boot": a.boot + b.boot, "weight": a.weight + b.weight,
+            "flip": a.flip + b.flip}
+

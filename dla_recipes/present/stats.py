@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..math.stats import merged
 
 ACCUMULATORS = ("mean", "m2", "positive", "boot", "weight", "flip")
 EXTRA = ("constant", "logit")  # the two columns after the components
@@ -187,15 +188,7 @@ class AttributionStats:
             return self
         if self.count == 0:
             return other
-        na, nb = float(self.count), float(other.count)
-        total = na + nb
-        delta = other.mean - self.mean
-        return replace(
-            self, count=self.count + other.count, mean=self.mean + delta * (nb / total),
-            m2=self.m2 + other.m2 + delta**2 * (na * nb / total), positive=self.positive + other.positive,
-            boot=self.boot + other.boot, weight=self.weight + other.weight, flip=self.flip + other.flip,
-            error=max(self.error, other.error),
-        )
+        return replace(self, **merged(self, other), error=max(self.error, other.error))
 
     def summary(self, ci: float = 0.95):
         """A pandas DataFrame indexed by component label (then ``constant``, ``logit``): ``n, mean, std, sem,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..math.checks import nonfinite_sites, site_ratios
-from ..math.stats import accumulate
+from ..math.stats import accumulate, merged
 from .readout import Readout
 
 ACCUMULATORS = ("mean", "m2", "positive", "boot", "weight", "flip")
@@ -53,13 +53,8 @@ class StatsReadout:
     def merge(self, other: StatsReadout) -> StatsReadout:
         """The statistics of this batch's samples and of the batch after it (in a session, server side): counts
         and sums add, the means and ``m2`` merge by Chan's parallel formula, the kept rows are joined."""
-        na, nb = self.count, other.count
-        total = na + nb
-        delta = other.mean - self.mean
         return StatsReadout(
-            count=total, mean=self.mean + delta * (nb / total), m2=self.m2 + other.m2 + delta**2 * (na * nb / total),
-            positive=self.positive + other.positive, boot=self.boot + other.boot, weight=self.weight + other.weight,
-            flip=self.flip + other.flip, error=torch.maximum(self.error, other.error),
+            **merged(self, other), error=torch.maximum(self.error, other.error),
             sites=torch.cat([self.sites, other.sites + self.n_sites.long()]),
             rows=Readout.concat([self.rows, other.rows]), n_sites=self.n_sites + other.n_sites,
         )
