@@ -1,5 +1,6 @@
 # Title: Why the head attended
-# IOI on SmolLM2: the top name-mover head, then which query-side and key-side components made it prefer " Mary".
+# IOI on SmolLM2: the head writing the most " Mary" - " John", then which query-side and key-side component pairs
+# make its score on " Mary" and on the first " John" (the page "Why the head attended" follows it further).
 from IPython.display import display
 
 import dla_recipes
