@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,17 +23,19 @@ from ..args import Position
 from ..errors import InputError
 from ..trace.targets import LinearTarget
 
-# tokenizer -> {(what, text, vocabulary size): value}: a token's id (``batches.resolve_token``), its spaced form's
-# (``batches.spaced_id``). The size is the tokenizer's own (``len``), so a token added later is looked up anew.
-_REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CACHE = "_dla_recipes_token_ids"  # the tokenizer's attribute holding what ``remembered`` computed
 
 
 def remembered(tokenizer, key: tuple, compute):
-    """``compute()`` for ``key`` of this tokenizer, computed once (a raised error is not kept)."""
+    """``compute()`` for ``key`` of this tokenizer, computed once (a raised error is not kept): a token's id
+    (``batches.resolve_token``), its spaced form's (``batches.spaced_id``), kept on the tokenizer itself as
+    ``{(what, text, vocabulary size): value}`` (the size is the tokenizer's own ``len``, so a token added later is
+    looked up anew). Not a module-level table: a trace sent to NDIF pickles this package's functions with their
+    globals (``nnsight.register``), and a table of weak references cannot be pickled."""
     try:
-        cache = _REMEMBERED.setdefault(tokenizer, {})
+        cache = vars(tokenizer).setdefault(CACHE, {})
         key = (*key, len(tokenizer))
-    except TypeError:  # a tokenizer without weak references or a length: ask it every time
+    except TypeError:  # a tokenizer without attributes or a length: ask it every time
         return compute()
     if key not in cache:
         cache[key] = compute()
