@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from .errors import DLAError, ExactnessError, NonFiniteError
-from .math.checks import FLOAT32_RTOL, float32_floor, precision_of, split_sum_bound, tolerance_bound
+from .math.checks import FLOAT32_RTOL, precision_of, relative_bound, split_sum_bound
 from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
 __all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
@@ -75,7 +75,7 @@ def precision_bound(readout, dtype: torch.dtype) -> torch.Tensor:
 
 def float32_bound(readout) -> torch.Tensor:
     """``[batch]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the old fixed tolerance)."""
-    return float32_floor(readout.logit, FLOAT32_RTOL)
+    return relative_bound(readout.logit, FLOAT32_RTOL)
 
 
 def _nonfinite(readout, labels, plan, dtype) -> None:
@@ -137,7 +137,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     floor = float32_bound(readout)
     precision = precision_bound(readout, dtype)
     derived = floor + precision
-    bound = derived if tolerance is None else tolerance_bound(tolerance, readout.logit)
+    bound = derived if tolerance is None else relative_bound(readout.logit, tolerance)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
     _check_head(readout, plan, u, tolerance)
     if by == "source":

@@ -15,8 +15,9 @@ from .rounding import SIGMAS
 FLOAT32_RTOL = 1e-4  # the recipe's own float32 arithmetic: the float32-style bound, FLOAT32_RTOL * max(1, |logit|)
 
 
-def float32_floor(logit: torch.Tensor, rtol: float = FLOAT32_RTOL) -> torch.Tensor:
-    """``[n]``: ``FLOAT32_RTOL * max(1, |logit|)``, the bound of a float32 model (the recipe's own arithmetic)."""
+def relative_bound(logit: torch.Tensor, rtol: float = FLOAT32_RTOL) -> torch.Tensor:
+    """``[n]``: ``rtol * max(1, |logit|)``: by default the bound of a float32 model (the recipe's own arithmetic),
+    else a user's relative ``tolerance``."""
     return rtol * torch.clamp(logit.abs(), min=1.0)
 
 
@@ -25,11 +26,6 @@ def precision_of(u, logit_size: torch.Tensor, head_noise: torch.Tensor, stream_n
     """``[n]``: what the model's own rounding (unit roundoff ``u``) can move the logit by: each logit at its own
     size, the final norm's output and the residual adds' roundings (``SIGMAS`` times their scale)."""
     return u * (logit_size + sigmas * (head_noise + stream_noise))
-
-
-def tolerance_bound(tolerance: float, logit: torch.Tensor) -> torch.Tensor:
-    """``[n]``: a user's relative ``tolerance`` as a bound, ``tolerance * max(1, |logit|)``."""
-    return tolerance * torch.clamp(logit.abs(), min=1.0)
 
 
 def split_sum_bound(floor: torch.Tensor, u, split_noise: torch.Tensor, sigmas: float = SIGMAS) -> torch.Tensor:
@@ -42,9 +38,9 @@ def site_ratios(total, logit, split_gap, split_noise, worst_gap, worst_allowed, 
     """``[n]``: each site's largest gap over what its check allows (> 1: the self-check fails there), over the
     three per-site checks: the sum (``total`` = parts + constant, against ``logit``), the split terms' summed gap,
     and (derived bound only) the worst single split term. NaN where a number is not finite."""
-    floor = float32_floor(logit)
+    floor = relative_bound(logit)
     derived = floor + precision_of(u, logit_size, head_noise, stream_noise)
-    bound = derived if tolerance is None else tolerance_bound(tolerance, logit)
+    bound = derived if tolerance is None else relative_bound(logit, tolerance)
     ratio = (total + split_gap - logit).abs() / bound
     split_bound = split_sum_bound(floor, u, split_noise) if tolerance is None else bound
     ratio = torch.maximum(ratio, split_gap.abs() / split_bound)
