@@ -190,11 +190,12 @@ def difference_stats(first, second, rows, stats) -> AttributionStats:
     b, other = sites_of(second)
     if len(a) != len(b) or not torch.equal(column, other):
         raise InputError(f"the two conditions attribute {len(a)} and {len(b)} sites: compare the same positions")
-    labels = list(dict.fromkeys([*a.labels, *b.labels]))
+    column_of = {label: k for k, label in enumerate(dict.fromkeys([*a.labels, *b.labels]))}
+    labels = list(column_of)
 
     def table(x):
         out = torch.zeros(len(x), len(labels) + 2, dtype=torch.float64)
-        out[:, [labels.index(label) for label in x.labels]] = x.values.double()
+        out[:, [column_of[label] for label in x.labels]] = x.values.double()  # a dict: labels.index is O(C) each
         out[:, -2], out[:, -1] = x.constant.double(), x.logit.double()
         return out
 
