@@ -2,7 +2,8 @@
 
 A fast path is work skipped or shared because it cannot change the answer: the prompts tokenized once and padded into each batch (``token_ids`` /
 ``prepare(ids=)``), a tokenizer's answers kept (``transport.sites.remembered``), the ``logits_to_keep`` signature
-check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``). Each is
+check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``), each
+norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
 model's own logit (the head runs on the same positions either way). The pull-back of equal rows computed once
 (``math.linalg.DEDUPE_ROWS``) is not one of them: it moves the last bits (a product of fewer rows may take another
@@ -19,7 +20,7 @@ from conftest import fast_sweep, tiny_model
 
 import dla_recipes
 from dla_recipes import api
-from dla_recipes.math import linalg
+from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
 from dla_recipes.transport import batches, session
@@ -33,6 +34,7 @@ SPLITS = ("head", "neuron")
 def slow_paths(monkeypatch) -> None:
     """Switch every fast path off (see the module docstring) until ``monkeypatch`` undoes it."""
     monkeypatch.setattr(linalg, "DEDUPE_ROWS", 0)  # every pull-back row by row's own product (the default)
+    monkeypatch.setattr(frozen_norm, "KEEP_PROBES", False)  # every norm probed anew in every call
     monkeypatch.setattr(api, "token_ids", lambda model, plan, prompts: None)  # group and prepare tokenize anew
     monkeypatch.setattr(batches, "remembered", lambda tokenizer, key, compute: compute())
     monkeypatch.setattr(session, "keeps_logits",

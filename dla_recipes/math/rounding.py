@@ -72,7 +72,8 @@ def binade(x: torch.Tensor) -> torch.Tensor:
 
 def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
                     extra_adds: int = 0, computed_in: torch.dtype = torch.float32) -> dict:
-    """The ``Readout`` fields the self-check bounds the model's own rounding with (all ``[batch]``, on the CPU).
+    """The ``Readout`` fields the self-check bounds the model's own rounding with (``[batch]`` tensors on the
+    device, or floats; ``Readout.gathered`` brings them to the host with the values).
 
     ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
     the norm's output read along ``head``; ``rounding`` what the trace collected (``Rounding``; None in float32);
@@ -92,25 +93,22 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
     adds = adds + extra_adds * norm2(stream, direction).to(adds.device) ** 2  # adds after the last whole block
     finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
     return {
-        "unit_roundoff": torch.full((stream.shape[0],), torch.finfo(computed_in).eps / 2),
-        "logit_size": torch.as_tensor(size, dtype=torch.float32).expand(stream.shape[0]).cpu(),
-        "head_noise": norm2(output, head).cpu(),
-        "stream_noise": (adds.sqrt() * scale.abs()).cpu(),
-        "split_gap": gap.cpu(),
-        "split_noise": noise.cpu(),
+        "unit_roundoff": torch.finfo(computed_in).eps / 2,
+        "logit_size": size if isinstance(size, torch.Tensor) else float(size),
+        "head_noise": norm2(output, head),
+        "stream_noise": adds.sqrt() * scale.abs(),
+        "split_gap": gap,
+        "split_noise": noise,
         **dict(zip(("split_worst_gap", "split_worst_allowed", "split_worst_term"),
-                   (t.cpu() for t in rounding.worst_term(torch.finfo(computed_in).eps / 2, scale, stream.device)))),
-        "finite_head": finite.float().cpu(),
-        "first_nonfinite": first_nonfinite(scores).cpu(),
+                   rounding.worst_term(torch.finfo(computed_in).eps / 2, scale, stream.device))),
+        "finite_head": finite.float(),
+        "first_nonfinite": first_nonfinite(scores),
     }
 
 
 def first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
-    """``[batch]`` float: the first column of ``scores`` that is not finite, or -1."""
-    out = torch.full((scores.shape[0],), -1.0, device=scores.device)
-    rows = (~torch.isfinite(scores.sum(-1))).nonzero()[:, 0]  # a non-finite part makes its row's sum non-finite
-    if len(rows):  # (a finite row whose sum overflows is looked at too, and has no bad column)
-        bad = ~torch.isfinite(scores[rows])
-        first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
-        out[rows] = torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
-    return out
+    """``[batch]`` float: the first column of ``scores`` that is not finite, or -1 (on the device: no read of which
+    rows are bad, so the host never waits for it)."""
+    bad = ~torch.isfinite(scores)
+    first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
+    return torch.where(bad.any(-1), first, torch.full_like(first, -1.0))

@@ -49,31 +49,48 @@ def read_site(layer, site: str, batch_size: int | None = None):
 class Sites(NamedTuple):
     """The attributed (prompt, position) pairs of one batch, one row of every read each: ``rows`` ``[n]`` each
     site's prompt (its row of the batch), ``positions`` ``[n]`` its index into the padded sequence, ``batch`` the
-    prompts in the batch (the leading size of every activation). One position per prompt: ``rows = arange(batch)``."""
+    prompts in the batch (the leading size of every activation). One position per prompt: ``rows = arange(batch)``.
+
+    ``flat`` ``[n]``: ``rows * seq + positions`` for values ``[batch, seq, ...]`` (``seq`` the padded length), on
+    the device, computed once (``Sites.on``) so that no read copies an index to the device: a copy from host
+    memory makes the host wait for the device, as a read of a result does."""
 
     rows: torch.Tensor
     positions: torch.Tensor
     batch: int
+    flat: torch.Tensor | None = None
+    seq: int = -1
 
     @classmethod
     def one_per_prompt(cls, positions: torch.Tensor) -> Sites:
         """One site per prompt, at ``positions`` ``[batch]``."""
         return cls(torch.arange(positions.shape[0]), positions, int(positions.shape[0]))
 
+    @classmethod
+    def on(cls, rows: torch.Tensor, positions: torch.Tensor, batch: int, seq: int) -> Sites:
+        """The sites with ``rows`` and ``positions`` already on the device the values are read on, and their flat
+        index into ``[batch * seq, ...]`` (negative positions count from the end)."""
+        return cls(rows, positions, batch, rows * seq + torch.where(positions < 0, positions + seq, positions), seq)
+
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
 
-def at(value: torch.Tensor, sites: Sites) -> torch.Tensor:
+def at(value: torch.Tensor, sites: Sites, keep: bool = False) -> torch.Tensor:
     """``[n, ...]``: ``value[rows, positions]`` at the sites, in float32 (a copy, so later in-place edits cannot reach
-    it). A contiguous value is read as ``[batch * pos, ...]`` rows (``index_select``: the same copy as advanced
-    indexing, bit for bit, in less than half its time on ``[batch, pos, d_mlp]``)."""
-    rows, positions = sites.rows.to(value.device), sites.positions.to(value.device)
+    it); ``keep``: in the value's own dtype (a product with a float32 tensor then reads it in float32 without a
+    float32 copy of its own). A contiguous value is read as ``[batch * pos, ...]`` rows (``index_select``: the same
+    copy as advanced indexing, bit for bit, in less than half its time on ``[batch, pos, d_mlp]``)."""
+    cast = (lambda t: t) if keep else (lambda t: t.float())
     if not value.is_contiguous() or value.dim() < 2:
-        return value[rows, positions].float()
+        return cast(value[sites.rows.to(value.device), sites.positions.to(value.device)])
     width = value.shape[1]
-    flat = rows * width + torch.where(positions < 0, positions + width, positions)
-    return value.flatten(0, 1).index_select(0, flat).float()
+    if sites.flat is not None and width == sites.seq and sites.flat.device == value.device:
+        flat = sites.flat
+    else:
+        rows, positions = sites.rows.to(value.device), sites.positions.to(value.device)
+        flat = rows * width + torch.where(positions < 0, positions + width, positions)
+    return cast(value.flatten(0, 1).index_select(0, flat))
 
 
 def frozen_at(norm, sites: Sites) -> FrozenNorm:

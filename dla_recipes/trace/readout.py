@@ -75,6 +75,7 @@ class Readout:
     first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
     unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)  # values' own, with room (pack)
+    gathered_into: torch.Tensor | None = field(default=None, repr=False, compare=False)  # gathered(): fields in it
 
     FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale", "pattern_error", "pattern_layer",
               "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "split_worst_gap",
@@ -83,14 +84,37 @@ class Readout:
     def pack(self) -> torch.Tensor:
         """``[batch, n_components + len(FIELDS)]`` float32: everything in one tensor, the cheapest to send back."""
         batch, width = self.values.shape[0], self.values.shape[-1]
-        extra = [getattr(self, name).float().reshape(-1).expand(batch) for name in self.FIELDS]
         buffer = self.buffer  # the recipe wrote the values into the first columns of a buffer with room: fill it
+        if self.gathered_into is not None and self.gathered_into is buffer and self.values.data_ptr() == buffer.data_ptr():
+            return buffer  # gathered(): the fields are in its last columns already
         if (buffer is not None and tuple(buffer.shape) == (batch, width + len(self.FIELDS))
                 and buffer.dtype == torch.float32 and self.values.data_ptr() == buffer.data_ptr()
                 and self.values.stride() == buffer.stride()):
-            buffer[:, width:] = torch.stack(extra, -1).to(buffer.device)
+            buffer[:, width:] = torch.stack(self.extra(batch), -1).to(buffer.device)
             return buffer
-        return torch.cat([self.values.float(), torch.stack(extra, -1)], -1)
+        return torch.cat([self.values.float(), torch.stack(self.extra(batch), -1)], -1)
+
+    def extra(self, batch: int) -> list:
+        """The fields, each ``[batch]`` float32 (a scalar repeated)."""
+        return [getattr(self, name).float().reshape(-1).expand(batch) for name in self.FIELDS]
+
+    @classmethod
+    def gathered(cls, buffer: torch.Tensor, **fields) -> Readout:
+        """The readout of a trace, brought to the host in one copy: ``buffer`` ``[n, n_components + len(FIELDS)]``
+        holds the values in its first columns (``recipe.joined``), ``fields`` (each ``[n]`` or ``[]``, on any
+        device; a missing one takes its default) are written into its last columns on the device, and the whole is
+        copied to the host once, with the result: the only time the trace waits for the device."""
+        start = buffer.shape[1] - len(cls.FIELDS)
+        for j, name in enumerate(cls.FIELDS):  # one copy (or fill) a column: [n], a scalar, or a float
+            value = fields[name] if name in fields else GATHER_DEFAULTS[name]
+            if isinstance(value, torch.Tensor):
+                buffer[:, start + j].copy_(value.reshape(-1) if value.dim() > 1 else value)
+            else:
+                buffer[:, start + j].fill_(float(value))
+        host = buffer.cpu()
+        readout = cls.unpack(host)
+        readout.buffer = readout.gathered_into = host
+        return readout
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> Readout:
@@ -117,3 +141,10 @@ class Readout:
             **{name: torch.stack([getattr(r, name) for r in readouts]).max() for name in scalars},
             pattern_error=worst.pattern_error.float().reshape(()), pattern_layer=worst.pattern_layer.float().reshape(()),
         )
+
+
+# What ``gathered`` writes for a field the trace did not give (the dataclass's defaults, as numbers).
+GATHER_DEFAULTS = {"pattern_error": 0.0, "pattern_layer": -1.0, "logit_size": 0.0, "head_noise": 0.0,
+                   "stream_noise": 0.0, "split_gap": 0.0, "split_noise": 0.0, "split_worst_gap": 0.0,
+                   "split_worst_allowed": 0.0, "split_worst_term": -1.0, "finite_head": 1.0, "first_nonfinite": -1.0,
+                   "unit_roundoff": 0.0, "head_error": 0.0}

@@ -58,18 +58,18 @@ from .terms import layer_scores, term_directions
 
 
 def final_direction(model, plan: Plan, target: LinearTarget):
-    """``(probe, direction [n, d_model], constant [n])`` of the final head for each site's target."""
+    """``(probe, direction [n, d_model], constant [n], rows [n, d_model])`` of the final head for each site's
+    target (``rows``: the target's combination of ``lm_head``'s rows, float32, as ``targets.head_rows``)."""
     width = model.lm_head.weight.shape[-1]
     probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
     weight = model.lm_head.weight
     probe = probe.to(weight.device)  # a norm without parameters (OLMo, nanochat) is probed on the CPU
-    rows = linear_targets.head_rows(target, weight)
+    own = linear_targets.head_rows(target, weight).to(probe.gain.device)  # [n, d_model]
     head_bias = linear_targets.head_bias(target, getattr(model.lm_head, "bias", None))
-    rows = rows.to(probe.gain.device)
-    rows = rows * plan.head_input_scale  # lm_head reads the final norm's output times it (MiniCPM)
+    rows = own * plan.head_input_scale if plan.head_input_scale != 1 else own  # lm_head reads the norm's output times it (MiniCPM)
     direction = plan.logit_scale * probe.center(probe.gain * rows)
     constant = plan.logit_scale * (dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
-    return probe, direction, constant
+    return probe, direction, constant, own
 
 
 def softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -106,9 +106,12 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
         prepare_sources(model, plan, sources)
-    fit_errors: list[float] = []
+    fit_errors: list = []  # each a 0-d tensor (or 0.0): read on the host once, with the result
+    device = direction.device  # the sites' indices go to the device once, before the forward pass runs
+    rows = (torch.arange(positions.shape[0]) if rows is None else rows).to(device)
+    positions = positions.to(device)
     stream = layer_input(model, 0)  # [batch, pos, d_model]: the batch's size is its first
-    sites = Sites(torch.arange(positions.shape[0]) if rows is None else rows, positions, int(stream.shape[0]))
+    sites = Sites.on(rows, positions, int(stream.shape[0]), int(stream.shape[1]))
     paths = None  # sources=dict(upstream=...): what every component wrote at the sources, collected as it is written
     if by == "source" and sources.upstream is not None:
         paths = Paths(offsets, sites.rows, sites.batch, sources.count, sources.upstream == "head")
@@ -151,6 +154,25 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     return joined(scores, room), fit_errors, sites
 
 
+def largest(errors: list, device) -> torch.Tensor:
+    """``[]`` on ``device``: the largest of ``errors`` (floats or 0-d tensors; 0 when empty), not read on the host."""
+    if not errors:
+        return torch.zeros((), device=device)
+    return torch.stack([e.to(device).float().reshape(()) if isinstance(e, torch.Tensor)
+                        else torch.full((), float(e), device=device) for e in errors]).max()
+
+
+def worst_pattern(patterns: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(error, layer)`` ``[]`` on ``device``: the block whose heads rebuilt from pattern and values are worst
+    (``patterns``: ``(error, layer)`` pairs, by="source"), or ``(0, -1)``."""
+    if not patterns:
+        return torch.zeros((), device=device), torch.full((), -1.0, device=device)
+    errors = torch.stack([largest([e], device) for e, _ in patterns])
+    layers = torch.tensor([float(layer) for _, layer in patterns]).to(device)
+    worst = errors.argmax()
+    return errors[worst], layers[worst]
+
+
 def joined(scores: list, room: int = 0) -> torch.Tensor:
     """``[n, width + room]``: the score groups ``[n, w_k]`` side by side (``torch.cat``), then ``room`` unset columns."""
     if not room:
@@ -191,7 +213,7 @@ def direct_logit_attribution(
     check_granularity(by)
     with torch.no_grad():
         target = as_target(targets, contrasts)
-        probe, direction, constant = final_direction(model, plan, target)
+        probe, direction, constant, head_rows = final_direction(model, plan, target)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
@@ -200,15 +222,15 @@ def direct_logit_attribution(
         buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
                                               edits, patterns, rows, room)
         scores = buffer[:, :buffer.shape[1] - room]
-        pattern_error, pattern_layer = max(patterns, default=(0.0, -1))
-        rows = sites.rows
+        rows, positions = sites.rows, sites.positions  # on the device
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
             stream, normed = layer_output(model, len(model.layers) - 1), model.lm_head.input  # normed: [b, kept, d]
         else:
             stream, normed = model.ln_final.input, model.ln_final.output  # [batch, pos, d_model]
         batch = int(stream.shape[0])
-        x = at(stream, Sites(rows, positions, batch))
-        y = at(normed, Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
+        x = at(stream, sites)
+        y = at(normed, sites if normed.shape[1] == stream.shape[1] else
+               Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
         final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
@@ -220,24 +242,14 @@ def direct_logit_attribution(
         out = linear_targets.read_logits(target, own, means[1])
         head_error = linear_targets.head_error(target, head, own, lambda z: softcap(z * plan.logit_scale, plan.softcap))
         logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
-        head_rows = linear_targets.head_rows(target, model.lm_head.weight)
         size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
         checks = rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
                                  computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
-        values = scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
-        return Readout(
-            values=values.cpu(),
-            constant=constant.cpu(),
-            logit=logit.cpu(),
-            output_logit=out.cpu(),
-            head_error=head_error.cpu(),
-            norm_fit_error=torch.tensor(max(fit_errors)),
-            scale=final.scale.cpu(),
-            pattern_error=torch.tensor(float(pattern_error)),
-            pattern_layer=torch.tensor(float(pattern_layer)),
-            buffer=buffer,
-            **checks,
-        )
+        scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
+        pattern_error, pattern_layer = worst_pattern(patterns, buffer.device)
+        return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
+                                norm_fit_error=largest(fit_errors, buffer.device), scale=final.scale,
+                                pattern_error=pattern_error, pattern_layer=pattern_layer, **checks)
 
 
 def direction_attribution(
@@ -281,17 +293,9 @@ def direction_attribution(
         checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
                                  len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
                                  computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
-        return Readout(
-            values=scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1)).cpu(),  # in place
-            constant=dot(v, probe.bias).cpu(),
-            logit=own.cpu(),
-            output_logit=own.cpu(),
-            head_error=torch.zeros(()),
-            norm_fit_error=torch.tensor(max(fit_errors)),
-            scale=frozen.scale.cpu(),
-            buffer=buffer,
-            **checks,
-        )
+        scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1))  # in place
+        return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,
+                                norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale, **checks)
 
 
 @dataclass(frozen=True)

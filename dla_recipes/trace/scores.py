@@ -228,7 +228,7 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
             qk_size = real_q.norm(dim=-1)[:, None] * real_k.norm(dim=-1) * abs(scaling)
         return ScoreReadout(values.cpu(), (constant + bias).cpu(), (score + bias).cpu(), allowed.float().cpu(),
                             size.cpu(), qk_size.cpu(),
-                            torch.tensor([stream_error, q_error, k_error, max(fits, default=0.0),
+                            torch.tensor([stream_error, q_error, k_error, float(max(fits, default=0.0)),
                                           float(softcap or 0.0)]))
 
 

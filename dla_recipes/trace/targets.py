@@ -13,6 +13,7 @@ its bias, ``read_logits`` the same combination of the logits read at the sites (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,9 @@ class LinearTarget:
             weights = torch.cat([weights, -torch.ones(weights.shape)], 1)
         return cls(ids, weights, torch.zeros(ids.shape[0]))
 
-    @property
+    @functools.cached_property
     def uses_mean(self) -> bool:
+        """Whether any site subtracts the mean logit (read once: ``mean`` is a host tensor)."""
         return bool((self.mean != 0).any())
 
 

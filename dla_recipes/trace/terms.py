@@ -45,8 +45,10 @@ class TermReads:
     """What scoring one term needs, read in forward order at the attributed positions.
 
     Attributes:
-        value: ``[batch, d_model]`` the term's write, read whole (the term is not split at this granularity).
-        written: ``[batch, d_model]`` a split term's write, read whole beside its parts (its gap: an edit, rounding).
+        value: ``[batch, d_model]`` the term's write, read whole (the term is not split at this granularity), in
+            the model's dtype (its products with float32 directions read it in float32).
+        written: ``[batch, d_model]`` a split term's write, read whole beside its parts (its gap: an edit, rounding),
+            in the model's dtype.
         parts: the term's kind's reads record (``LinearReads``, ``SourceReads``, ...) when it is split.
         hyper: ``(post [batch, streams], comb [batch, streams, streams] or None)`` on parallel-stream families.
         post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term.write.post_norm``,
@@ -151,13 +153,13 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
         comb = at(comb, sites) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
         reads.hyper = (at(post, sites), comb)
     if mode is None:
-        reads.value = at(read_site(layer, term.output, batch), sites)
+        reads.value = at(read_site(layer, term.output, batch), sites, keep=True)  # read in float32 by its product
     else:
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
         if term.write.post_norm is not None:
             reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), sites)
         if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
-            reads.written = at(read_site(layer, term.output, batch), sites)
+            reads.written = at(read_site(layer, term.output, batch), sites, keep=True)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
         reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), sites)
     return reads
@@ -188,7 +190,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     if projection_scale is not None:
         u = u * param(layer, projection_scale).to(u.device)
     parts, rest, _ = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
-    rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
+    rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
+            else parts.new_full((), float(rest))).expand(parts.shape[0])  # a float: filled there, not copied
     if written is None:
         return torch.cat([parts, rest.unsqueeze(-1)], -1), None
     gap = written.to(parts.device) - parts.sum(-1) - rest  # [batch]: an edit after the projection, or rounding

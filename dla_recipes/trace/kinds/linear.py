@@ -26,7 +26,7 @@ class LinearReads:
     """What a linear split reads at the attributed positions, in forward order.
 
     Attributes:
-        inputs: ``[batch, in_features]`` the projection's input (heads flattened).
+        inputs: ``[batch, in_features]`` the projection's input (heads flattened), in the model's dtype.
         output_gate: ``[batch, out_features]`` ``sigmoid(gate)`` multiplying the output (``Neurons.output_gate``).
     """
 
@@ -38,7 +38,9 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> LinearReads:
     """Read the projection's input (then the output gate) at the sites."""
     split, batch = planned.term.split, sites.batch
     projection = module_at(layer, split.projection)
-    reads = LinearReads(at(read_site(projection, "input", batch), sites).flatten(1))
+    # in the model's dtype: the product with the float32 pull-back reads it in float32 (type promotion), so no
+    # float32 copy of [n, in_features] is made first (bit for bit the same parts)
+    reads = LinearReads(at(read_site(projection, "input", batch), sites, keep=True).flatten(1))
     gate = split.output_gate if isinstance(split, Neurons) else None
     if gate is not None:  # sigmoid(gate) multiplies the projection's output channel by channel
         reads.output_gate = torch.sigmoid(at(read_site(module_at(layer, gate), "output", batch), sites))

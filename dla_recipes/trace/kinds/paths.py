@@ -33,11 +33,11 @@ from .pattern import per_prompt
 from .sources import values_of
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b| / max |b|`` (0 for empty tensors)."""
+def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[]``: ``max |a - b| / max |b|`` (0 for empty tensors), on ``a``'s device (not read on the host here)."""
     if not b.numel():
-        return 0.0
-    return float((a - b.to(a.device)).abs().max() / b.abs().max().clamp(min=1e-30))
+        return torch.zeros((), device=a.device)
+    return (a - b.to(a.device)).abs().max() / b.abs().max().to(a.device).clamp(min=1e-30)
 
 
 class Paths:
