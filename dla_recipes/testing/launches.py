@@ -21,6 +21,7 @@ import collections
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -119,6 +120,11 @@ class _Function(TorchFunctionMode):
             who, where = issuer(2)
             self.counts.syncs.append((who, where, "boolean mask index"))
         out = func(*args, **kwargs)
+        if tainted and func is torch.Tensor.cpu and out is args[0]:
+            # On a CPU "device" .cpu() returns the tensor itself, tag and all, so every later read of the host copy
+            # would count as a sync; a GPU returns a new host tensor: stand in for it with a view of its own
+            # (one aten op, where the GPU issues one device-to-host copy).
+            out = out.view_as(out)
         if tainted and func not in (torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist):
             for o in tree_flatten(out)[0]:
                 if isinstance(o, torch.Tensor):
@@ -136,7 +142,7 @@ class Launches:
         self.counts = Counts()
         self.model = model
 
-    def __enter__(self) -> Launches:
+    def __enter__(self) -> Self:
         module = getattr(self.model, "_model", self.model)
         tagged = list(module.parameters()) + list(module.buffers()) if module is not None else []
         self._tagged = tagged
