@@ -21,8 +21,17 @@ Methods, timed interleaved in this one process (median of ``--repeats`` runs aft
 For each: peak GPU memory above the loaded model (``torch.cuda.max_memory_allocated`` after a reset), and for (3)
 the attribution's error against the model's own logit, in bfloat16 (the recipe accumulates in float32; the
 self-check's bfloat16 tolerance is 5e-2 relative). Writes ``gpu_llama8b.json`` to ``$OUT`` when set, else to
-``benchmarks/results/``. Needs torch with CUDA, transformers, nnsight, nnterp; the repository root is put on
-``sys.path`` so ``import dla_recipes`` works from a checkout without installing it.
+``benchmarks/results/``.
+
+Optional (issue 23, ``gpu_profile.py``): ``--profile`` runs one ``attribute`` call per granularity under
+``torch.profiler`` (CPU + CUDA activities) and records the top 15 ops by self CUDA time and by self CPU time;
+``--sync-check`` runs one call per granularity under ``torch.cuda.set_sync_debug_mode("warn")`` and records how many
+syncs it warned about and where. Both go to ``gpu_llama8b_profile.json`` (``_tiny`` with ``--tiny``) beside the main
+JSON, whose format is unchanged; ``--no-timing`` skips the timed methods (and the main JSON) to save device time.
+Without CUDA the profile records CPU ops only and the sync check says it was skipped.
+
+Needs torch with CUDA, transformers, nnsight, nnterp; the repository root is put on ``sys.path`` so
+``import dla_recipes`` works from a checkout without installing it.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_profile.py
 
 LLAMA_31_8B = {
     "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -81,6 +91,35 @@ def word_tokenizer(vocab: int):
     return tiny.tokenizer(vocab)
 
 
+def profile_and_check(args, calls: dict, cuda: bool, sync, meta: dict) -> dict:
+    """``--profile`` / ``--sync-check``: run them (``gpu_profile.py``), write and print their record."""
+    import gpu_profile
+
+    record = {**meta, "tiny": args.tiny, "failures": {}}
+    for flag, key, run in ((args.profile, "profile", lambda: gpu_profile.profile(calls, cuda, sync)),
+                           (args.sync_check, "sync_check", lambda: gpu_profile.sync_check(calls, cuda))):
+        if not flag:
+            continue
+        try:
+            record[key] = run()
+        except Exception as error:  # noqa: BLE001 - recorded, the timed methods still run
+            record["failures"][key] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
+    for key in ("profile", "sync_check"):
+        skipped = (record.get(key) or {}).get("skipped")
+        if skipped:
+            print(f"{key}: skipped {skipped}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("gpu_llama8b_profile_tiny.json" if args.tiny else "gpu_llama8b_profile.json")
+    path.write_text(json.dumps(record, indent=1))
+    for line in gpu_profile.summary(record):
+        print(line)
+    for key, text in record["failures"].items():
+        print(f"FAILED {key}: {text.splitlines()[0]}")
+    print(f"wrote {path}")
+    return record
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU: check the logic without a GPU")
@@ -91,6 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
     parser.add_argument("--methods", default=None, help="comma list (default: all)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--profile", action="store_true", help="torch.profiler: one call per granularity")
+    parser.add_argument("--sync-check", action="store_true", help="set_sync_debug_mode('warn'): one call per by")
+    parser.add_argument("--no-timing", action="store_true", help="only --profile / --sync-check (no main JSON)")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -166,6 +208,13 @@ def main(argv=None) -> int:
             readout = dla_recipes.trace.Readout.unpack(packed)
             return float((readout.values.sum(-1) + readout.constant - readout.logit).abs().max())
         return run
+
+    if args.profile or args.sync_check:
+        profiled = profile_and_check(args, {f"dla_{by}": dla(by) for by in ("block", "head", "neuron")}, cuda, sync,
+                                     {"shape": {k: v for k, v in shape.items() if k != "rope_scaling"}, "batch": batch,
+                                      "seq": seq, "device": str(device), "torch": torch.__version__})
+        if args.no_timing:
+            return 1 if profiled.get("failures") else 0
 
     table = {"plain_forward": plain(False), "plain_forward_keep1": plain(True), "trace_logits": trace(False),
              "trace_logits_keep1": trace(True), "dla_block": dla("block"), "dla_head": dla("head"),

@@ -198,6 +198,16 @@ def scaling_section(runner: Runner, out_dir: Path, opts) -> dict | None:
     return {"points": results, "methods": sweep.METHODS}
 
 
+def launches_section(runner: Runner, out_dir: Path, opts) -> dict | None:
+    """``benchmarks/launches.py``: aten ops, host syncs, widenings and reads of one call inside the trace, counted
+    on the CPU (``--quick``: the 8-layer Llama, bfloat16, block / head / neuron)."""
+    log("launches (device cost counted on the CPU)")
+    args = ["benchmarks/launches.py", "--out", str(out_dir / "launches")]
+    if opts.quick:
+        args.append("--quick")
+    return runner.run(args, label="launches")
+
+
 GPU_SKIPPED = "skipped, no CUDA device on this machine"
 
 
@@ -503,6 +513,9 @@ def markdown(result: dict) -> str:
     import positions
 
     lines += positions.markdown(result.get("positions"), result["spec"])
+    import launches
+
+    lines += launches.markdown(result.get("launches"))
     lines += gpu_markdown(result.get("gpu"))
     if result.get("targets"):
         lines += ["## Targets (reported, not asserted)", "", "| target | where | value | bound | met |",
@@ -532,7 +545,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tl-python", default=str(DEFAULT_TL_PYTHON),
                         help="the TransformerLens venv's python ('' to skip TransformerLens)")
     parser.add_argument("--skip", default="",
-                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling,positions,gpu")
+                        help="comma list of sections to skip: local,tl,breakdown,remote,scaling,positions,launches,"
+                             "gpu")
     parser.add_argument("--parallel-mem", type=int, default=2, help="memory worker processes at a time")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     opts = parser.parse_args(argv)
@@ -590,6 +604,9 @@ def main(argv=None) -> int:
                                              warmup=opts.warmup, tokens=32 if opts.quick else positions.TOKENS)
                            if "positions" not in skip else None)
     sections["positions_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result["launches"] = launches_section(runner, out_dir, opts) if "launches" not in skip else None
+    sections["launches_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     result["gpu"] = gpu_section(runner, out_dir, opts) if "gpu" not in skip else {"skipped": "skipped (--skip gpu)"}
     sections["gpu_s"] = time.perf_counter() - t0

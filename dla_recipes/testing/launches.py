@@ -28,6 +28,7 @@ import collections
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -203,13 +204,15 @@ class _Function(TorchFunctionMode):
                 who, where = issuer(2)
                 self.counts.uploads.append((who, where, kind, self.counts.model_ops()))
         out = func(*args, **kwargs)
-        if kind is not None and func in MOVES[:2] and out is args[0]:
-            # a move to the device it is on (the CPU here) returns the host tensor itself: on a GPU it would be a
-            # new, device tensor, and the host one would stay on the host (so each move is counted again)
+        moved_here = kind is not None and func in MOVES[:2] and out is args[0]
+        if moved_here or (tainted and func is torch.Tensor.cpu and out is args[0]):
+            # On the CPU a move to the device (.to) or to the host (.cpu) returns the tensor itself, tag and all: on
+            # a GPU it is a new tensor on the other side, and the original stays where it was. Stand in for it with
+            # a view of its own (not counted: the GPU issues one copy, counted as an upload or a sync).
             self.counts.emulating = True
             try:
                 with torch._C.DisableTorchFunction():
-                    out = out.detach()
+                    out = out.view_as(out)
             finally:
                 self.counts.emulating = False
         tainted = tainted or kind is not None or (func in FACTORIES and kwargs.get("device") is not None)
@@ -230,7 +233,7 @@ class Launches:
         self.counts = Counts()
         self.model = model
 
-    def __enter__(self) -> Launches:
+    def __enter__(self) -> Self:
         module = getattr(self.model, "_model", self.model)
         tagged = list(module.parameters()) + list(module.buffers()) if module is not None else []
         self._tagged = tagged
