@@ -84,23 +84,30 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
     def norm2(a, b):  # in float64: squares of large finite activations must not overflow
         return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
 
+    def summed(terms):  # [batch] in order, or 0.0 for no terms (a float: written into the readout, not computed)
+        if not terms:
+            return 0.0
+        total = terms[0].to(stream.device)
+        for term in terms[1:]:
+            total = total + term.to(stream.device)
+        return total
+
     scale = scale.to(stream.device)
-    zero = torch.zeros(stream.shape[0], device=stream.device)
     rounding = rounding or Rounding()
-    gap = sum((g.to(stream.device) for g in rounding.split_gaps), zero) * scale
-    noise = sum((n.to(stream.device) for n in rounding.split_noise), zero).sqrt() * scale.abs()
-    adds = sum((n.to(stream.device) for n in rounding.stream_noise), zero)
-    adds = adds + extra_adds * norm2(stream, direction).to(adds.device) ** 2  # adds after the last whole block
+    gap, noise, adds = summed(rounding.split_gaps), summed(rounding.split_noise), summed(rounding.stream_noise)
+    if extra_adds:  # the adds after the last whole block, bounded with the stream entering the norm
+        adds = adds + extra_adds * norm2(stream, direction) ** 2
     finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
+    u = torch.finfo(computed_in).eps / 2
     return {
-        "unit_roundoff": torch.finfo(computed_in).eps / 2,
+        "unit_roundoff": u,
         "logit_size": size if isinstance(size, torch.Tensor) else float(size),
         "head_noise": norm2(output, head),
-        "stream_noise": adds.sqrt() * scale.abs(),
-        "split_gap": gap,
-        "split_noise": noise,
-        **dict(zip(("split_worst_gap", "split_worst_allowed", "split_worst_term"),
-                   rounding.worst_term(torch.finfo(computed_in).eps / 2, scale, stream.device))),
+        "stream_noise": adds.sqrt() * scale.abs() if isinstance(adds, torch.Tensor) else 0.0,
+        "split_gap": gap * scale if isinstance(gap, torch.Tensor) else 0.0,
+        "split_noise": noise.sqrt() * scale.abs() if isinstance(noise, torch.Tensor) else 0.0,
+        **(dict(zip(("split_worst_gap", "split_worst_allowed", "split_worst_term"),
+                    rounding.worst_term(u, scale, stream.device))) if rounding.split_gaps else {}),
         "finite_head": finite.float(),
         "first_nonfinite": first_nonfinite(scores),
     }

@@ -105,12 +105,12 @@ class Readout:
         device; a missing one takes its default) are written into its last columns on the device, and the whole is
         copied to the host once, with the result: the only time the trace waits for the device."""
         start = buffer.shape[1] - len(cls.FIELDS)
-        for j, name in enumerate(cls.FIELDS):  # one copy (or fill) a column: [n], a scalar, or a float
-            value = fields[name] if name in fields else GATHER_DEFAULTS[name]
+        values = [fields[name] if name in fields else GATHER_DEFAULTS[name] for name in cls.FIELDS]
+        # the numbers known on the host, in one row copied into every row; then one copy a column of each tensor
+        buffer[:, start:] = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values])
+        for j, value in enumerate(values):
             if isinstance(value, torch.Tensor):
                 buffer[:, start + j].copy_(value.reshape(-1) if value.dim() > 1 else value)
-            else:
-                buffer[:, start + j].fill_(float(value))
         host = buffer.cpu()
         readout = cls.unpack(host)
         readout.buffer = readout.gathered_into = host

@@ -13,7 +13,6 @@ its bias, ``read_logits`` the same combination of the logits read at the sites (
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +43,14 @@ class LinearTarget:
             weights = torch.cat([weights, -torch.ones(weights.shape)], 1)
         return cls(ids, weights, torch.zeros(ids.shape[0]))
 
-    @functools.cached_property
+    @property
     def uses_mean(self) -> bool:
-        """Whether any site subtracts the mean logit (read once: ``mean`` is a host tensor)."""
-        return bool((self.mean != 0).any())
+        """Whether any site subtracts the mean logit, read once (``mean`` is a host tensor) and kept in the instance's
+        ``__dict__`` (not ``functools.cached_property``: its lock cannot be pickled into a remote trace)."""
+        kept = self.__dict__.get("uses_mean_")
+        if kept is None:
+            kept = self.__dict__["uses_mean_"] = bool((self.mean != 0).any())
+        return kept
 
 
 def as_target(targets, contrasts=None) -> LinearTarget:
