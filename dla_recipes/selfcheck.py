@@ -82,6 +82,10 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
     """Raise ``NonFiniteError`` at the first non-finite number, in forward order."""
     where = None
     first = readout.first_nonfinite
+    rows = torch.cat([t.reshape(-1) for t in (readout.stream_noise, readout.scale, readout.logit, readout.output_logit,
+                                              readout.constant)])
+    if bool(readout.finite_head.bool().all() & (first < 0).all() & torch.isfinite(rows).all()):
+        return  # all finite: one check (the cases below name the first place a NaN or inf appears)
     if not bool(readout.finite_head.bool().all()):
         where = "the head direction (the final norm's gain or lm_head's rows for the target and contrast)"
     elif bool((first >= 0).any()):

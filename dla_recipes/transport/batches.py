@@ -301,12 +301,12 @@ def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, 
     for i, prompt, length in zip(rows, prompts, lengths):
         if length == 0:
             raise InputError(f"prompt {i} ({prompt!r}) is empty: it has no tokens to attribute")
-    own_ids = [tuple(int(t) for t in row[keep]) for row, keep in zip(ids, mask)]
+    own_ids = [tuple(row[keep].tolist()) for row, keep in zip(ids, mask)]  # one conversion a row, not one a token
     next_token = isinstance(target, str) and target == "next"
     names = [f"prompt {i} ({short_text(p)})" for i, p in zip(rows, prompts)]
     placed = place(position, lengths, names, own_ids, next_token)
-    padded = [mask[k].nonzero()[:, 0] for k in range(len(lengths))]
-    positions = [int(padded[b][own]) for b, own in zip(placed.rows, placed.own)]
+    padded = [mask[k].nonzero()[:, 0].tolist() for k in range(len(lengths))]
+    positions = [padded[b][own] for b, own in zip(placed.rows, placed.own)]
     next_ids = [own_ids[b][own + 1] for b, own in zip(placed.rows, placed.own)] if next_token else None
     user = [rows[b] for b in placed.rows]  # each site's prompt, as the user numbers it
     if placed.one and plain(target) and plain(contrast):
