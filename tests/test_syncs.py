@@ -33,13 +33,16 @@ _MODELS: dict = {}
 
 
 def bf16_model(family: str):
-    """The tiny ``family`` model in bfloat16, after a plain transformers forward of the prompts ran in it (raises
-    what that forward raised: a family whose own code cannot run in bfloat16 on the CPU)."""
+    """The tiny ``family`` model in bfloat16; skips the test when a plain transformers forward of the prompts fails
+    in it (a family whose own code cannot run in bfloat16 on the CPU: nothing to count)."""
     if family not in _MODELS:
         hf = tiny.build(family).to(torch.bfloat16)
         tokenizer = tiny.tokenizer()
-        with torch.no_grad():
-            hf(**tokenizer(PROMPTS, return_tensors="pt", padding=True))
+        try:
+            with torch.no_grad():
+                hf(**tokenizer(PROMPTS, return_tensors="pt", padding=True))
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:  # xLSTM: a float32 matmul
+            pytest.skip(f"a plain {family} forward fails in bfloat16 on the CPU: {type(error).__name__}: {error}"[:300])
         _MODELS[family] = dla_recipes.load(hf, tokenizer=tokenizer, device_map="cpu")
     return _MODELS[family]
 
@@ -69,10 +72,7 @@ def waits(counts) -> list:
 
 @pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
 def test_no_wait_for_the_device_inside_the_forward(family, monkeypatch):
-    try:
-        model = bf16_model(family)
-    except Exception as error:  # the model's own forward fails in bfloat16 on the CPU (xLSTM): nothing to count
-        pytest.skip(f"a plain {family} forward fails in bfloat16 on the CPU: {type(error).__name__}: {error}"[:300])
+    model = bf16_model(family)
     for by in ("block", "head", "neuron"):
         try:
             counted(model, monkeypatch, by=by)  # the first call probes the norms (kept on each norm module)

@@ -135,7 +135,7 @@ def _moves_to_device(func, args, kwargs) -> bool:
     if func in MAKERS:
         return kwargs.get("device") is not None
     named = list(args[1:]) + [kwargs.get("device")]
-    return any(isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor)) for a in named if a is not None)
+    return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in named if a is not None)
 
 
 def upload(func, args, kwargs, flat, tainted: bool) -> str | None:
