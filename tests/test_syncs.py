@@ -47,8 +47,8 @@ def bf16_model(family: str):
     return _MODELS[family]
 
 
-def counted(model, monkeypatch, **kwargs):
-    """``(attribution, counts)`` of one ``attribute`` call, counting inside its traces only."""
+def counted(model, **kwargs):
+    """``(attribution, counts)`` of one ``attribute`` call, counting inside its traces only (``run_trace``)."""
     traces = []
     original = run_module.run_trace
 
@@ -58,9 +58,11 @@ def counted(model, monkeypatch, **kwargs):
         traces.append(launches.counts)
         return out
 
-    monkeypatch.setattr(run_module, "run_trace", counting)
-    attr = dla_recipes.attribute(model, PROMPTS, "w20", contrast="w21", **kwargs)
-    monkeypatch.undo()
+    run_module.run_trace = counting
+    try:
+        attr = dla_recipes.attribute(model, PROMPTS, "w20", contrast="w21", **kwargs)
+    finally:
+        run_module.run_trace = original
     return attr, traces
 
 
@@ -71,14 +73,14 @@ def waits(counts) -> list:
 
 
 @pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
-def test_no_wait_for_the_device_inside_the_forward(family, monkeypatch):
+def test_no_wait_for_the_device_inside_the_forward(family):
     model = bf16_model(family)
     for by in ("block", "head", "neuron"):
         try:
-            counted(model, monkeypatch, by=by)  # the first call probes the norms (kept on each norm module)
+            counted(model, by=by)  # the first call probes the norms (kept on each norm module)
         except dla_recipes.DLAError:
             continue  # a granularity the family refuses: refused the same way, tested elsewhere
-        _, traces = counted(model, monkeypatch, by=by)
+        _, traces = counted(model, by=by)
         assert traces, (family, by)
         for counts in traces:
             assert waits(counts) == [], (family, by, waits(counts))
@@ -94,7 +96,7 @@ def test_the_counter_catches_a_planted_wait(monkeypatch):
     from dla_recipes.trace import terms
 
     model = bf16_model("llama")
-    counted(model, monkeypatch, by="head")
+    counted(model, by="head")
     original = terms.read_term
 
     def planted(layer, planned, mode, sites, *args, **kwargs):
@@ -105,17 +107,7 @@ def test_the_counter_catches_a_planted_wait(monkeypatch):
         return reads
 
     monkeypatch.setattr(terms, "read_term", planted)
-    traces = []
-    original_run = run_module.run_trace
-
-    def counting(*args, **kw):
-        with Launches(model) as launches:
-            out = original_run(*args, **kw)
-        traces.append(launches.counts)
-        return out
-
-    monkeypatch.setattr(run_module, "run_trace", counting)
-    dla_recipes.attribute(model, PROMPTS, "w20", by="head")
+    _, traces = counted(model, by="head")
     found = waits(traces[0])
     terms_read = 2 * len(model.layers)  # attention and MLP of every block, each read once
     assert sum(call == "__float__" and where.startswith("dla_recipes/trace/terms.py") for _, where, call in found) \
