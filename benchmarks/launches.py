@@ -6,9 +6,11 @@ dtype (bfloat16, float32) and granularity (block, head, neuron; and head with ``
 16 tokens, target ``"w20"``:
 
 - aten ops (a GPU's kernel launches) by issuer: the recipe, the model (transformers / ``torch.nn``), other (nnsight);
-- the recipe's host syncs (``.cpu()``, ``.item()``, ``bool(t)``, ... on a device tensor), each with its ``file:line``;
-- the recipe's largest bfloat16 / float16 -> float32 copy (``numel``), also relative to ``batch * pos * d_model``;
-- the trace's reads: every ``.input`` / ``.output`` a worker asks nnsight for (``Mediator.value``), by issuer.
+- the recipe's host syncs (``.cpu()``, ``.item()``, ``bool(t)``, ... on a device tensor) and uploads (host data
+  copied to the device), each with its ``file:line``, and how many of them came while the forward pass ran;
+- the recipe's largest bfloat16 / float16 -> float32 cast (``numel``) of a weight and of an activation, also
+  relative to ``batch * pos * d_model``;
+- the trace's reads: every ``.input`` / ``.output`` the recipe asks nnsight for (``Mediator.value``).
 
 The models are random Llamas with Llama-3.1-8B's structure (32 heads / 8 KV heads, untied head, rope_theta 500000)
 at small widths (d_model 256, d_mlp 896, vocab 512), at 32 and at 8 layers, so every count splits into
@@ -80,30 +82,6 @@ def prompts(vocab: int, batch: int = BATCH, tokens: int = TOKENS) -> list[str]:
     return [" ".join(f"w{(97 * i + 31 * j + 7) % words}" for j in range(tokens)) for i in range(batch)]
 
 
-def widening_mode(weights: set, found: dict):
-    """A dispatch mode recording, per recipe site, the largest low-precision -> float32 copy of an activation (an
-    input whose storage is not one of ``weights``, the model's parameter storages) in ``found``."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    from dla_recipes.testing.launches import LOW, issuer
-
-    class Widening(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                low = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
-                       and a.dtype in LOW and a.numel() == out.numel()]
-                if low and not any(a.untyped_storage().data_ptr() in weights for a in low):
-                    who, where = issuer(2)
-                    if who == "recipe":
-                        found[where] = max(found.get(where, 0), out.numel())
-            return out
-
-    return Widening()
-
-
 class Counter:
     """Wraps ``run_trace`` in ``Launches`` and ``Mediator.value`` in a read counter; ``take()`` the last call's."""
 
@@ -111,7 +89,7 @@ class Counter:
         from nnsight.intervention.interleaver import Mediator
 
         import dla_recipes.transport.run as run_module
-        from dla_recipes.testing.launches import Launches, issuer
+        from dla_recipes.testing.launches import Launches
 
         self.model, self.run_module, self.mediator = model, run_module, Mediator
         self.original_trace, self.original_value = run_module.run_trace, Mediator.__dict__["value"]
@@ -122,19 +100,16 @@ class Counter:
 
         def value(cls, location):
             if counter.reads is not None:
-                counter.reads.append((issuer(2)[0], location))
+                counter.reads.append(location)  # every read a trace makes is the recipe's (it runs the trace)
             return original_value(cls, location)
 
-        module = getattr(model, "_model", model)
-        weights = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
-
         def run_trace(*args, **kwargs):
-            counter.reads, activations = [], {}
-            with Launches(model) as launches, widening_mode(weights, activations):
+            counter.reads = []
+            with Launches(model) as launches:
                 try:
                     return counter.original_trace(*args, **kwargs)
                 finally:
-                    counter.records.append((launches.counts, counter.reads, activations))
+                    counter.records.append((launches.counts, counter.reads))
                     counter.reads = None
 
         self.value, self.run_trace = classmethod(value), run_trace
@@ -154,30 +129,27 @@ class Counter:
         records, self.records = self.records, []
         ops, by_op, syncs, reads = collections.Counter(), collections.Counter(), collections.Counter(), collections.Counter()
         uploads, mid = collections.Counter(), 0
-        widest = {"recipe": 0, "model": 0}
-        sites: dict = {}
+        sites: dict = {}  # the recipe's largest cast to float32 per file:line, of a weight / of an activation
         activations: dict = {}
-        for counts, read, activation in records:
-            for where, numel in activation.items():
-                activations[where] = max(activations.get(where, 0), numel)
-            for who, where, numel, _ in counts.widenings:
+        for counts, read in records:
+            for who, where, numel, weight in counts.widenings:
                 if who == "recipe":
-                    sites[where] = max(sites.get(where, 0), numel)
+                    table = sites if weight else activations
+                    table[where] = max(table.get(where, 0), numel)
             ops.update(counts.ops)
             by_op.update({op: n for (who, op), n in counts.by_op.items() if who == "recipe"})
             syncs.update(f"{where} {call}" for who, where, call, _ in counts.syncs if who == "recipe")
             uploads.update(f"{where} {what}" for who, where, what, _ in counts.uploads if who == "recipe")
             mid += len(counts.mid_forward(counts.syncs)) + len(counts.mid_forward(counts.uploads))
-            reads.update(who for who, _ in read)
-            for who, most in widest.items():
-                widest[who] = max(most, counts.largest_widening(who))
+            reads["recipe"] += len(read)
         return {"traces": len(records), "ops": dict(ops), "recipe_syncs": sum(syncs.values()),
                 "recipe_uploads": sum(uploads.values()), "recipe_waits_mid_forward": mid,
                 "upload_sites": dict(uploads.most_common()),
                 "widening_sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:5]),
                 "activation_widening_sites": dict(sorted(activations.items(), key=lambda kv: -kv[1])[:5]),
                 "largest_activation_widening": max(activations.values(), default=0),
-                "sync_sites": dict(syncs.most_common()), "largest_widening": widest, "reads": dict(reads),
+                "largest_weight_widening": max(sites.values(), default=0),
+                "sync_sites": dict(syncs.most_common()), "reads": dict(reads),
                 "top_recipe_ops": dict(by_op.most_common(12))}
 
 
@@ -200,9 +172,9 @@ def count_model(family: str, layers: int, dtype_name: str, cases) -> dict:
             warm["cold_ops"] = cold["ops"]
             warm["error"] = float(attr.error)
             warm["first_error"] = float(first.error)
-            # relative to one [batch, pos, d_model] activation; "activation": leaving out the copies of a weight
-            # (W_O, W_down widened for the pullbacks: an input sharing a parameter's storage)
-            warm["widening_over_batch_pos_d"] = warm["largest_widening"]["recipe"] / (BATCH * TOKENS * d_model)
+            # relative to one [batch, pos, d_model] activation: a cast of a weight (W_O, W_down widened a slice at
+            # a time for the pullbacks: an input sharing a parameter's storage), and of an activation
+            warm["widening_over_batch_pos_d"] = warm["largest_weight_widening"] / (BATCH * TOKENS * d_model)
             warm["activation_widening_over_batch_pos_d"] = (warm["largest_activation_widening"]
                                                             / (BATCH * TOKENS * d_model))
             out[f"{by}/{position}"] = warm
@@ -256,7 +228,7 @@ def markdown(result: dict) -> list[str]:
               "inside the trace)"), "",
              ("| model | dtype | by / position | recipe ops | model ops | other ops | recipe syncs / uploads "
               "(of them while the forward ran) | recipe reads | "
-              "largest widening / (B*T*d) (site) | largest activation widening / (B*T*d) (site) | error |"),
+              "largest weight cast / (B*T*d) (site) | largest activation cast / (B*T*d) (site) | error |"),
              "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
     for entry in result["counts"]:
         for case, c in entry["cases"].items():
