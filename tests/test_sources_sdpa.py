@@ -35,9 +35,11 @@ NO_SDPA = ["gemma2", "gpt_oss", "vaultgemma", "flint"]
 # attn_implementation says, and it returns its pattern, which the split reads as under eager.
 OWN_ATTENTION = ["bloom"]
 # |sdpa part - eager part| / max |eager part|, measured over every family below (the three padded prompts): at
-# most 9.6e-7 (gemma4_moe; most families 1e-7 to 4e-7), float32 rounding of sdpa's kernel against eager's
-# matmuls. The tolerance is about twice that (the issue asks for at most 1e-5).
-GAP = 2e-6
+# most 9.6e-7 on an AVX2 machine (gemma4_moe; most families 1e-7 to 4e-7), 3.9e-6 for gemma4_moe on an AVX-512 /
+# AMX Xeon (its sdpa kernel accumulates in another order): float32 rounding of sdpa's kernel against eager's
+# matmuls, which depends on the CPU. The tolerance is the issue's bound, 1e-5; a wrong split is off by far more
+# (a source's share of a head, ~1e-1 of the largest part).
+GAP = 1e-5
 
 _SDPA: dict[str, object] = {}
 

@@ -6,9 +6,10 @@ of host data to the device (``.to(device)`` of a host index) waits for every ker
 block's reads drains the GPU's queue once per block, and the GPU idles while the host catches up. The counter
 tracks which tensors live "on the device" (the model's parameters and everything computed from them) through every
 op, so a CPU run counts the waits a GPU run would have. Checked on every tiny family, in bfloat16 (the precision
-NDIF serves, where the self-check reads the most) by block, head and neuron, on a padded batch, on the second call
-(the first probes the norms, once per model), and on the counter itself: a planted ``.item()`` and a planted
-``.to(device)`` of a host index inside a block's reads are caught and named.
+NDIF serves, where the self-check reads the most) by block, head, neuron and source (and by source with
+``upstream=`` on a few families), on a padded batch, on the second call (the first probes the norms, once per
+model), and on the counter itself: a planted ``.item()`` and a planted ``.to(device)`` of a host index inside a
+block's reads are caught and named.
 
 The one allowed wait inside the forward pass is data-dependent work that the model's own forward does too: a fused
 mixture of experts recomputes only the experts that fired, so it reads which ones did (``trace.kinds.experts``,
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fast_sweep
+from conftest import fast_sweep, is_source_refusal
 
 import dla_recipes
-from dla_recipes.errors import FamilyTableError, InputError
+from dla_recipes.errors import DLAError, FamilyTableError, InputError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.launches import Launches
 from dla_recipes.transport import run as run_module
@@ -76,20 +77,40 @@ def waits(counts) -> list:
 @pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
 def test_no_wait_for_the_device_inside_the_forward(family):
     model = bf16_model(family)
-    for by in ("block", "head", "neuron"):
+    for by in ("block", "head", "neuron", "source"):
         try:
             counted(model, by=by)  # the first call probes the norms (kept on each norm module)
         except (InputError, FamilyTableError):
             continue  # a granularity the family refuses: refused the same way, tested elsewhere (an inexact or
             # non-finite result is not a refusal: it fails here)
+        except DLAError as error:  # by source: the split's own refusal (conftest.is_source_refusal, test_sources.py)
+            if by == "source" and is_source_refusal(error):
+                continue
+            raise
         _, traces = counted(model, by=by)
         assert traces, (family, by)
         for counts in traces:
             assert waits(counts) == [], (family, by, waits(counts))
             assert counts.model_ops() > 0
             # no float32 copy of a whole activation: each cast covers the attributed sites, not [batch, pos, ...]
+            # (by source reads the values at every position, each key being a source, in float32: the one
+            # activation it copies whole, [batch, pos, kv_heads * head_dim])
             full = len(PROMPTS) * 10 * model.lm_head.weight.shape[-1]
-            assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
+            if by != "source":
+                assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
+
+
+# families whose plan accepts each upstream split (Gemma-3's post-norms refuse upstream="head")
+@pytest.mark.parametrize("family, upstream", [("llama", "block"), ("llama", "head"), ("gemma3", "block"),
+                                              ("gpt2", "head"), ("qwen2", "block"), ("qwen2", "head")])
+def test_no_wait_for_the_device_splitting_sources_by_upstream(family, upstream):
+    """``by="source"`` with ``upstream=``: every component's writes at the sources, each prompt's sites grouped on
+    the host before the forward pass (``Sites.grouped``), no read of the rows in it."""
+    model = bf16_model(family)
+    counted(model, by="source", sources=dict(upstream=upstream))
+    _, traces = counted(model, by="source", sources=dict(upstream=upstream))
+    for counts in traces:
+        assert waits(counts) == [], (family, upstream, waits(counts))
 
 
 def test_the_counter_catches_a_planted_wait(monkeypatch):

@@ -35,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..math.frozen_norm import PROBED
+
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../dla_recipes
 TESTING = os.path.join(PACKAGE, "testing")
 MODEL_MARKS = (os.sep + "transformers" + os.sep, os.sep + "torch" + os.sep + "nn" + os.sep)
@@ -236,10 +238,17 @@ class Launches:
     def __enter__(self) -> Self:
         module = getattr(self.model, "_model", self.model)
         tagged = list(module.parameters()) + list(module.buffers()) if module is not None else []
+        for t in tagged:
+            self.counts.weights.add(t.untyped_storage().data_ptr())
+        # the kept probe of a norm with parameters (frozen_norm.PROBED) was moved to their device when taken: on a
+        # CPU run that move returns the host tensor itself, so it is marked as living there too (a norm without
+        # parameters is probed on the host, and each move of its probe to the device is a real upload)
+        tagged += [t for m in (module.modules() if module is not None else ()) if PROBED in m.__dict__
+                   and next(m.parameters(), None) is not None
+                   for t in (m.__dict__[PROBED][1].bias, m.__dict__[PROBED][1].gain)]
         self._tagged = tagged
         for t in tagged:
             setattr(t, TAG, True)
-            self.counts.weights.add(t.untyped_storage().data_ptr())
         self._modes = [_Function(self.counts), _Dispatch(self.counts)]
         for mode in self._modes:
             mode.__enter__()

@@ -53,13 +53,18 @@ class Sites(NamedTuple):
 
     ``flat`` ``[n]``: ``rows * seq + positions`` for values ``[batch, seq, ...]`` (``seq`` the padded length), on
     the device, computed once (``Sites.on``) so that no read copies an index to the device: a copy from host
-    memory makes the host wait for the device, as a read of a result does."""
+    memory makes the host wait for the device, as a read of a result does.
+
+    ``groups``: ``((prompt, index [k] on the device), ...)``, the sites of each prompt, for work done one prompt at
+    a time (``by="source"``: ``kinds.pattern.per_prompt``); built on the host with the sites (``Sites.grouped``),
+    so that no read on the host of the rows is needed in the trace."""
 
     rows: torch.Tensor
     positions: torch.Tensor
     batch: int
     flat: torch.Tensor | None = None
     seq: int = -1
+    groups: tuple = ()
 
     @classmethod
     def one_per_prompt(cls, positions: torch.Tensor) -> Sites:
@@ -67,10 +72,22 @@ class Sites(NamedTuple):
         return cls(torch.arange(positions.shape[0]), positions, int(positions.shape[0]))
 
     @classmethod
-    def on(cls, rows: torch.Tensor, positions: torch.Tensor, batch: int, seq: int) -> Sites:
+    def on(cls, rows: torch.Tensor, positions: torch.Tensor, batch: int, seq: int, groups: tuple = ()) -> Sites:
         """The sites with ``rows`` and ``positions`` already on the device the values are read on, and their flat
-        index into ``[batch * seq, ...]`` (negative positions count from the end)."""
-        return cls(rows, positions, batch, rows * seq + torch.where(positions < 0, positions + seq, positions), seq)
+        index into ``[batch * seq, ...]`` (negative positions count from the end); ``groups``: ``Sites.grouped``."""
+        flat = rows * seq + torch.where(positions < 0, positions + seq, positions)
+        return cls(rows, positions, batch, flat, seq, groups)
+
+    @staticmethod
+    def grouped(rows: torch.Tensor, device) -> tuple:
+        """``((prompt, index [k] on device), ...)``: the sites of each prompt in ``rows`` ``[n]`` (a host tensor),
+        their indices copied to the device at once (one copy, before the forward pass reads anything)."""
+        rows = rows.cpu()
+        order = torch.argsort(rows, stable=True)
+        prompts, counts = torch.unique_consecutive(rows[order], return_counts=True)
+        on_device = order.to(device)
+        starts = [0, *torch.cumsum(counts, 0).tolist()]
+        return tuple((int(b), on_device[start:end]) for b, start, end in zip(prompts.tolist(), starts, starts[1:]))
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])

@@ -12,6 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 
+# What a field the trace did not give reads (a granularity or precision without it: no pattern split, no rounding
+# bound in float32, no head check on a direction): the dataclass's defaults, and what ``gathered`` writes.
+DEFAULTS = {"head_error": 0.0, "pattern_error": 0.0, "pattern_layer": -1.0, "logit_size": 0.0, "head_noise": 0.0,
+            "stream_noise": 0.0, "split_gap": 0.0, "split_noise": 0.0, "split_worst_gap": 0.0,
+            "split_worst_allowed": 0.0, "split_worst_term": -1.0, "finite_head": 1.0, "first_nonfinite": -1.0,
+            "unit_roundoff": 0.0}
+
+
+def default(name: str):
+    """A ``Readout`` field defaulting to ``DEFAULTS[name]``, a ``[]`` float32 tensor."""
+    return field(default_factory=lambda: torch.tensor(DEFAULTS[name]))
+
+
 @dataclass
 class Readout:
     """What a DLA trace returns: a few tensors, whatever the model's width or the prompt's length.
@@ -61,19 +74,19 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
     scale: torch.Tensor
-    pattern_error: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    pattern_layer: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
-    logit_size: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    head_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    stream_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    split_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    split_noise: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    split_worst_gap: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    split_worst_allowed: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    split_worst_term: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
-    finite_head: torch.Tensor = field(default_factory=lambda: torch.ones(()))
-    first_nonfinite: torch.Tensor = field(default_factory=lambda: -torch.ones(()))
-    unit_roundoff: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    pattern_error: torch.Tensor = default("pattern_error")
+    pattern_layer: torch.Tensor = default("pattern_layer")
+    logit_size: torch.Tensor = default("logit_size")
+    head_noise: torch.Tensor = default("head_noise")
+    stream_noise: torch.Tensor = default("stream_noise")
+    split_gap: torch.Tensor = default("split_gap")
+    split_noise: torch.Tensor = default("split_noise")
+    split_worst_gap: torch.Tensor = default("split_worst_gap")
+    split_worst_allowed: torch.Tensor = default("split_worst_allowed")
+    split_worst_term: torch.Tensor = default("split_worst_term")
+    finite_head: torch.Tensor = default("finite_head")
+    first_nonfinite: torch.Tensor = default("first_nonfinite")
+    unit_roundoff: torch.Tensor = default("unit_roundoff")
     buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)  # values' own, with room (pack)
     gathered_into: torch.Tensor | None = field(default=None, repr=False, compare=False)  # gathered(): fields in it
 
@@ -105,7 +118,7 @@ class Readout:
         device; a missing one takes its default) are written into its last columns on the device, and the whole is
         copied to the host once, with the result: the only time the trace waits for the device."""
         start = buffer.shape[1] - len(cls.FIELDS)
-        values = [fields[name] if name in fields else GATHER_DEFAULTS[name] for name in cls.FIELDS]
+        values = [fields[name] if name in fields else DEFAULTS[name] for name in cls.FIELDS]
         # the numbers known on the host, in one row copied into every row; then one copy a column of each tensor
         buffer[:, start:] = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values])
         for j, value in enumerate(values):
@@ -141,10 +154,3 @@ class Readout:
             **{name: torch.stack([getattr(r, name) for r in readouts]).max() for name in scalars},
             pattern_error=worst.pattern_error.float().reshape(()), pattern_layer=worst.pattern_layer.float().reshape(()),
         )
-
-
-# What ``gathered`` writes for a field the trace did not give (the dataclass's defaults, as numbers).
-GATHER_DEFAULTS = {"pattern_error": 0.0, "pattern_layer": -1.0, "logit_size": 0.0, "head_noise": 0.0,
-                   "stream_noise": 0.0, "split_gap": 0.0, "split_noise": 0.0, "split_worst_gap": 0.0,
-                   "split_worst_allowed": 0.0, "split_worst_term": -1.0, "finite_head": 1.0, "first_nonfinite": -1.0,
-                   "unit_roundoff": 0.0, "head_error": 0.0}

@@ -108,10 +108,12 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
         prepare_sources(model, plan, sources)
     fit_errors: list = []  # each a 0-d tensor (or 0.0): read on the host once, with the result
     device = direction.device  # the sites' indices go to the device once, before the forward pass runs
-    rows = (torch.arange(positions.shape[0]) if rows is None else rows).to(device)
-    positions = positions.to(device)
+    host_rows = torch.arange(positions.shape[0]) if rows is None else rows
+    rows, positions = host_rows.to(device), positions.to(device)
+    groups = Sites.grouped(host_rows, device) if by == "source" else ()  # each prompt's sites (per_prompt)
+    offsets = None if offsets is None else offsets.to(device)
     stream = layer_input(model, 0)  # [batch, pos, d_model]: the batch's size is its first
-    sites = Sites.on(rows, positions, int(stream.shape[0]), int(stream.shape[1]))
+    sites = Sites.on(rows, positions, int(stream.shape[0]), int(stream.shape[1]), groups)
     paths = None  # sources=dict(upstream=...): what every component wrote at the sources, collected as it is written
     if by == "source" and sources.upstream is not None:
         paths = Paths(offsets, sites.rows, sites.batch, sources.count, sources.upstream == "head")

@@ -54,8 +54,10 @@ class Paths:
     """
 
     def __init__(self, offsets: torch.Tensor, rows: torch.Tensor, batch: int, count: int, heads: bool = False):
-        starts = torch.zeros(batch, dtype=torch.long).scatter(0, rows.long().cpu(), offsets.long().cpu())
-        self.index = starts[:, None] + torch.arange(count)[None]
+        """``offsets`` / ``rows`` on the device the values are read on (the index is built there: nothing is
+        copied from the host while the forward pass runs)."""
+        starts = torch.zeros(batch, dtype=torch.long, device=rows.device).scatter(0, rows.long(), offsets.long())
+        self.index = starts[:, None] + torch.arange(count, device=rows.device)[None]
         self.batch, self.count, self.heads = batch, count, heads
         self.writes: list = []
         self.norms: dict = {}
@@ -121,10 +123,11 @@ class Paths:
         self.norms[i] = (frozen, len(self.writes))
 
     def split(self, layer, planned: PlannedTerm, i: int, u: torch.Tensor, weights: torch.Tensor,
-              own: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+              own: torch.Tensor, sites) -> torch.Tensor:
         """``[n, heads, count * (upstream + 1)]``: each (head, source) part ``own`` ``[n, heads, count]`` split by
         the writes before block ``i``'s heads, then its rest, per source; ``u`` ``[n, heads, head_dim]`` the heads'
-        directions, ``weights`` ``[n, heads, count]`` the pattern at the sources, ``rows`` ``[n]`` the prompts."""
+        directions, ``weights`` ``[n, heads, count]`` the pattern at the sources, ``sites`` the ``Sites`` read
+        (each one's prompt, and each prompt's sites)."""
         heads, width = planned.parts, planned.part_width
         split = planned.term.split
         module = module_at(layer, split.values.rsplit(".", 1)[0])
@@ -147,25 +150,25 @@ class Paths:
                 rest = rest + (pulled * frozen.bias.to(device)).sum(-1)
                 pulled = frozen.probe.center(frozen.gain.to(device) * pulled)
                 scale = frozen.scale.to(device).view(self.batch, self.count)
-            rows = rows.to(device)
+            rows, groups = sites.rows.to(device), sites.groups
         columns, plain = [], []
         for write in self.writes[:upstream] + [None]:
             if plain and not isinstance(write, torch.Tensor):  # a run of whole writes: [n, heads, count, run]
                 with exact():
                     plain_writes = torch.stack([w.to(device) for w in plain], 2)  # [batch, count, run, d_model]
-                    columns.append(per_prompt("nhd,scd->nhsc", pulled, plain_writes, rows))
+                    columns.append(per_prompt("nhd,scd->nhsc", pulled, plain_writes, groups))
                 plain = []
             if isinstance(write, torch.Tensor):
                 plain.append(write)
             elif write is not None:
-                columns.append(self.head_columns(write, pulled, rows))
+                columns.append(self.head_columns(write, pulled, groups))
         with exact():
             parts = torch.cat(columns, -1) * (weights * scale[rows][:, None])[..., None]
             rest = weights * rest[..., None]  # [n, heads, count]
             self.errors.append(relative(parts.sum(-1) + rest, own))
             return torch.cat([parts, rest[..., None]], -1).flatten(2)
 
-    def head_columns(self, write: tuple, pulled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def head_columns(self, write: tuple, pulled: torch.Tensor, groups: tuple) -> torch.Tensor:
         """``[n, heads, count, upstream heads (+ 1)]``: an upstream term's heads ``(z [batch, count, H * d],
         projection, planned)`` along each site's and head's ``pulled`` ``[n, heads, d_model]``, then its bias's
         column where the term has one (``PlannedTerm.bare``)."""
@@ -175,7 +178,7 @@ class Paths:
         with exact():
             back = back.to(pulled.device).view(n, heads, term.parts, term.part_width) * term.multiplier
             z = z.to(pulled.device).view(self.batch, self.count, term.parts, term.part_width)
-            out = per_prompt("nhkd,skd->nhsk", back, z, rows)
+            out = per_prompt("nhkd,skd->nhsk", back, z, groups)
             if "heads" not in term.bare:
                 bias = torch.as_tensor(constant, device=out.device).float() * term.multiplier
                 out = torch.cat([out, bias.reshape(-1).expand(n * heads).reshape(n, heads, 1, 1)

@@ -122,13 +122,14 @@ def at_rows(tensor: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor | 
     return tensor[rows, :, positions]
 
 
-def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``einsum(equation, site_side[s], values[rows[s]])`` for every site ``s``, one prompt at a time: the values
+def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """``einsum(equation, site_side[s], values[prompt of s])`` for every site ``s``, one prompt at a time: the values
     ``[batch, keys, kv_heads, head_dim]`` are never copied per site (``[n, keys, ...]`` would grow with the
-    positions squared)."""
+    positions squared). ``groups``: ``Sites.groups``, each prompt's sites (their indices already on the device:
+    nothing is read on the host here)."""
     out = None
-    for b in torch.unique(rows).tolist():
-        index = (rows == b).nonzero()[:, 0]
+    for b, index in groups:
+        index = index.to(site_side.device)
         with exact():
             piece = torch.einsum(equation, site_side[index], values[b])
         if out is None:
@@ -137,9 +138,10 @@ def per_prompt(equation: str, site_side: torch.Tensor, values: torch.Tensor, row
     return out
 
 
-def recompute(attention, heads: int, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``[n, heads, keys]``: the pattern at the sites (``rows`` / ``positions`` ``[n]``), recomputed from the inputs of
-    ``attention``'s attention call (read here: call it before reading the output projection's input)."""
+def recompute(attention, heads: int, rows: torch.Tensor, positions: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """``[n, heads, keys]``: the pattern at the sites (``rows`` / ``positions`` ``[n]``, ``groups`` each prompt's:
+    ``Sites``), recomputed from the inputs of ``attention``'s attention call (read here: call it before reading the
+    output projection's input)."""
     family = family_of(attention)
     named = call_inputs(attention_call(attention, family), family, heads)
     module, query, key = named.get("module"), named["query"], named["key"]
@@ -154,7 +156,7 @@ def recompute(attention, heads: int, rows: torch.Tensor, positions: torch.Tensor
         q = query[rows_q, :, positions.to(query.device)].float()  # [n, heads, d]
         kv = key.shape[1]
         keys = key.transpose(1, 2).float()  # [batch, k, kv, d] (a view; each prompt's rows are cast once)
-        scores = per_prompt("nvgd,kvd->nvgk", q.view(-1, kv, heads // kv, q.shape[-1]), keys, rows_q)
+        scores = per_prompt("nvgd,kvd->nvgk", q.view(-1, kv, heads // kv, q.shape[-1]), keys, groups)
         scores = scores.reshape(-1, heads, k_len) * (q.shape[-1] ** -0.5 if scaling is None else float(scaling))
         if softcap is not None:
             scores = torch.tanh(scores / float(softcap)) * float(softcap)

@@ -26,7 +26,8 @@ from .pattern import per_prompt
 @dataclass(frozen=True)
 class SourceSplit:
     """``by="source"`` in one block: the plan's ``Sources`` (which heads split, into how many sources), the block,
-    ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence, and ``paths``: with
+    ``offsets`` ``[n]``: where each site's prompt's own tokens start in the padded sequence (on the device: copied
+    there once, before the forward pass), and ``paths``: with
     ``Sources.upstream``, what every component wrote at the sources (each (head, source) part split by them)."""
 
     sources: Sources
@@ -48,15 +49,16 @@ class SourceReads:
         inputs: ``[n, heads * head_dim]`` the heads as the output projection reads them, at the sites.
         pattern: ``[n, heads, pos]`` the attention pattern at the sites.
         heads: ``[batch, pos, heads * head_dim]`` the output projection's input at every position.
-        rows: ``[n]`` each site's prompt (its row of ``values``).
-        pattern_error: ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own).
+        pattern_error: ``[]`` ``max |sum_s A v - heads| / max |heads|`` (the rebuilt heads against the model's own),
+            on the device: read on the host with the result.
+        sites: the sites read (``Sites``: each one's prompt, and each prompt's sites, ``Sites.groups``).
     """
 
     values: torch.Tensor
     inputs: torch.Tensor
     pattern: torch.Tensor
-    pattern_error: float
-    rows: torch.Tensor | None = None
+    pattern_error: torch.Tensor
+    sites: Sites
     heads: torch.Tensor | None = None
 
 
@@ -82,7 +84,7 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     values = read_site(layer, heads.values, batch).float()  # every position of every prompt
     attention = module_at(layer, heads.projection.rsplit(".", 1)[0])
     recomputed = None if pattern.returns_weights(attention) else pattern.recompute(
-        attention, planned.parts, rows, positions)  # the attention call: before the output projection
+        attention, planned.parts, rows, positions, sites.groups)  # the attention call: before the output projection
     full = read_site(module_at(layer, heads.projection), "input", batch)
     inputs = at(full, sites).flatten(1)
     if recomputed is None:
@@ -97,10 +99,9 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
         recomputed = weights[rows.to(weights.device), :, positions.to(weights.device)].float()  # [n, heads, keys]
     weights = recomputed
     values = values_of(values, heads.values_layout, planned.parts, planned.part_width)
-    rows = rows.to(weights.device)
-    rebuilt = grouped_sum(weights, values.to(weights.device), rows).flatten(1)
+    rebuilt = grouped_sum(weights, values.to(weights.device), sites.groups).flatten(1)
     scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, weights, float((rebuilt - inputs.to(rebuilt.device)).abs().max() / scale), rows,
+    return SourceReads(values, inputs, weights, (rebuilt - inputs.to(rebuilt.device)).abs().max() / scale, sites,
                        full)
 
 
@@ -116,13 +117,14 @@ def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int
     return fused.reshape(batch, pos, -1, head_dim)
 
 
-def grouped_sum(pattern: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def grouped_sum(pattern: torch.Tensor, values: torch.Tensor, groups: tuple) -> torch.Tensor:
     """``[n, heads, head_dim]``: ``sum_s A[h, s] v[s, group(h)]`` for each query head (GQA / MQA groups), at each
-    site (``pattern [n, heads, keys]``, ``values [batch, pos, kv, head_dim]`` of the site's prompt ``rows [n]``)."""
+    site (``pattern [n, heads, keys]``, ``values [batch, pos, kv, head_dim]`` of the site's prompt: ``groups``,
+    ``Sites.groups``)."""
     n, heads, keys = pattern.shape
     kv = values.shape[2]
     grouped = pattern.view(n, kv, heads // kv, keys)
-    return per_prompt("nvgk,kvd->nvgd", grouped, values[:, :keys], rows).reshape(n, heads, -1)
+    return per_prompt("nvgk,kvd->nvgd", grouped, values[:, :keys], groups).reshape(n, heads, -1)
 
 
 def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split: SourceSplit):
@@ -139,7 +141,7 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
     whole = (reads.inputs.to(u.device).view(-1, heads, width) * u).sum(-1)  # [batch, heads]
     batch, _, keys = pattern.shape
     kv = values.shape[2]
-    along = per_prompt("nvgd,kvd->nvgk", u.view(batch, kv, heads // kv, width), values[:, :keys], reads.rows)
+    along = per_prompt("nvgd,kvd->nvgk", u.view(batch, kv, heads // kv, width), values[:, :keys], reads.sites.groups)
     per_source = pattern * along.reshape(batch, heads, keys)  # [batch, heads, padded keys]
     index = offsets.to(u.device)[:, None] + torch.arange(count, device=u.device)[None]  # [batch, count]
     inside = index < keys
@@ -149,6 +151,6 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
 
     own = at_sources(per_source)
     if split.paths is not None:  # each (head, source) part split by the components that wrote the source
-        own = split.paths.split(layer, planned, split.layer, u, at_sources(pattern), own, reads.rows)
+        own = split.paths.split(layer, planned, split.layer, u, at_sources(pattern), own, reads.sites)
     pieces = [own[:, h] if heads_split[h] else whole[:, h:h + 1] for h in range(heads)]
     return torch.cat(pieces, -1), rest + bias, None
