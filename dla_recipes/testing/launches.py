@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..math.frozen_norm import PROBED
+import dla_recipes
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../dla_recipes
 TESTING = os.path.join(PACKAGE, "testing")
@@ -243,9 +243,10 @@ class Launches:
         # the kept probe of a norm with parameters (frozen_norm.PROBED) was moved to their device when taken: on a
         # CPU run that move returns the host tensor itself, so it is marked as living there too (a norm without
         # parameters is probed on the host, and each move of its probe to the device is a real upload)
-        tagged += [t for m in (module.modules() if module is not None else ()) if PROBED in m.__dict__
+        probed = dla_recipes.math.frozen_norm.PROBED
+        tagged += [t for m in (module.modules() if module is not None else ()) if probed in m.__dict__
                    and next(m.parameters(), None) is not None
-                   for t in (m.__dict__[PROBED][1].bias, m.__dict__[PROBED][1].gain)]
+                   for t in (m.__dict__[probed][1].bias, m.__dict__[probed][1].gain)]
         self._tagged = tagged
         for t in tagged:
             setattr(t, TAG, True)
