@@ -25,8 +25,11 @@ MODELS = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)]
 # Gemma-3-270M 6.1e-6 (the weighted set). ~2x.
 TOL = 2e-5
 # |a column - the same position attributed alone, in a batch padded differently|: measured values 6.0e-7, constant
-# 0.0, logit 3.8e-6 (absolute; logits of ~10-20) over both models. ~2x.
+# 0.0, logit 3.8e-6 (absolute; logits of ~10-20) over both models on an AVX2 machine, the logit 9.5e-6 for
+# Gemma-3-270M on an AVX-512 / AMX Xeon (five float32 ulps of a logit near 20: the model's own rounding in another
+# padded batch). ~2x.
 SAME = 8e-6
+SAME_LOGIT = 2e-5
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -60,7 +63,8 @@ def test_every_position_is_the_models_logit(real_model):
         column = attr.at(k)
         for name in ("values", "constant", "logit"):
             gap = float((getattr(column, name) - getattr(alone, name)).abs().max())
-            assert gap <= SAME, f"column {k}'s {name} differs from position={k} alone by {gap:.3g}"
+            bound = SAME_LOGIT if name == "logit" else SAME
+            assert gap <= bound, f"column {k}'s {name} differs from position={k} alone by {gap:.3g}"
 
 
 def test_linear_targets_are_the_models(real_model):
