@@ -8,8 +8,9 @@ tracks which tensors live "on the device" (the model's parameters and everything
 op, so a CPU run counts the waits a GPU run would have. Checked on every tiny family, in bfloat16 (the precision
 NDIF serves, where the self-check reads the most) by block, head, neuron and source (and by source with
 ``upstream=`` on a few families), on a padded batch, on the second call (the first probes the norms, once per
-model), and on the counter itself: a planted ``.item()`` and a planted ``.to(device)`` of a host index inside a
-block's reads are caught and named.
+model); ``attribute_scores`` the same way by block and head, its one copy to the host after the model's last op;
+and on the counter itself: a planted ``.item()`` and a planted ``.to(device)`` of a host index inside a block's
+reads are caught and named.
 
 The one allowed wait inside the forward pass is data-dependent work that the model's own forward does too: a fused
 mixture of experts recomputes only the experts that fired, so it reads which ones did (``trace.kinds.experts``,
@@ -18,12 +19,16 @@ mixture of experts recomputes only the experts that fired, so it reads which one
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import fast_sweep, is_source_refusal
+from test_scores import MUST_SPLIT as SCORES_MUST_SPLIT
 
 import dla_recipes
-from dla_recipes.errors import DLAError, FamilyTableError, InputError
+from dla_recipes.errors import DLAError, ExactnessError, FamilyTableError, InputError
+from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
 from dla_recipes.testing.launches import Launches
 from dla_recipes.transport import run as run_module
@@ -49,23 +54,29 @@ def bf16_model(family: str):
     return _MODELS[family]
 
 
-def counted(model, **kwargs):
-    """``(attribution, counts)`` of one ``attribute`` call, counting inside its traces only (``run_trace``)."""
+def counting(model, entry):
+    """``(entry(), counts)``: what ``entry`` returns and the counts of each trace it ran, counting inside its traces
+    only (``run_trace``)."""
     traces = []
     original = run_module.run_trace
 
-    def counting(*args, **kw):
+    def counted_trace(*args, **kw):
         with Launches(model) as launches:
             out = original(*args, **kw)
         traces.append(launches.counts)
         return out
 
-    run_module.run_trace = counting
+    run_module.run_trace = counted_trace
     try:
-        attr = dla_recipes.attribute(model, PROMPTS, "w20", contrast="w21", **kwargs)
+        result = entry()
     finally:
         run_module.run_trace = original
-    return attr, traces
+    return result, traces
+
+
+def counted(model, **kwargs):
+    """``(attribution, counts)`` of one ``attribute`` call, counting inside its traces only (``run_trace``)."""
+    return counting(model, lambda: dla_recipes.attribute(model, PROMPTS, "w20", contrast="w21", **kwargs))
 
 
 def waits(counts) -> list:
@@ -111,6 +122,41 @@ def test_no_wait_for_the_device_splitting_sources_by_upstream(family, upstream):
     _, traces = counted(model, by="source", sources=dict(upstream=upstream))
     for counts in traces:
         assert waits(counts) == [], (family, upstream, waits(counts))
+
+
+def attended_head(model) -> str | None:
+    """The head ``attribute_scores`` splits here: head 0 of the first attention block after block 0 (the later
+    blocks still run while the split is computed), else of block 0; None when no block has attention heads."""
+    layers = [i for i, terms in enumerate(build_plan(model).layers) if any(p.term.splits_heads for p in terms)]
+    layer = next((i for i in layers if i > 0), layers[0] if layers else None)
+    return None if layer is None else f"L{layer}.H0"
+
+
+@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
+def test_scores_never_wait_for_the_device_inside_the_forward(family):
+    """``attribute_scores`` (a head's score split into query x key pairs) too, by block and head: its indices go to
+    the device before the forward pass, its checks stay on the device, and its one copy to the host comes after the
+    model's last op (the blocks after the attended one and the head still run when the split is done)."""
+    model = bf16_model(family)
+    head = attended_head(model)
+    if head is None:  # no attention heads: refused by name (test_scores.py)
+        assert family not in SCORES_MUST_SPLIT, family
+        return
+    for by in ("block", "head"):
+        split = functools.partial(dla_recipes.attribute_scores, model, PROMPTS, head, keys=[-2, -1], by=by)
+        try:
+            counting(model, split)  # the first call probes the norms (kept on each norm module)
+        except ExactnessError:
+            raise  # an inexact split is no refusal: it fails here
+        except DLAError:  # a family whose score it cannot split (refused by name, tested in test_scores.py)
+            assert family not in SCORES_MUST_SPLIT, family
+            continue
+        _, traces = counting(model, split)
+        assert traces, (family, by)
+        for counts in traces:
+            assert waits(counts) == [], (family, by, waits(counts))
+            assert counts.model_ops() > 0
+            assert [call for _, _, call, _ in counts.recipe_syncs()] == ["cpu"], (family, by, counts.recipe_syncs())
 
 
 def test_the_counter_catches_a_planted_wait(monkeypatch):

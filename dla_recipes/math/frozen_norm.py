@@ -81,9 +81,11 @@ class NormProbe:
         return FrozenNorm(norm, stream, output=output, probe=self)
 
 
-def identity_probe(width: int) -> NormProbe:
-    """The probe of no norm at all (a family without a final norm): gain 1, bias 0, no centering."""
-    return NormProbe(bias=torch.zeros(width), gain=torch.ones(width), centers=False, eps=0.0)
+def identity_probe(width: int, device=None) -> NormProbe:
+    """The probe of no norm at all (a family without a final norm): gain 1, bias 0, no centering; made on
+    ``device`` (default: the CPU), not copied there."""
+    return NormProbe(bias=torch.zeros(width, device=device), gain=torch.ones(width, device=device), centers=False,
+                     eps=0.0)
 
 
 PROBED = "_dla_recipes_probe"  # the attribute of a norm module that keeps its last probe (probe_norm)

@@ -11,12 +11,17 @@ Then each component is carried through ``ln1``, ``q_proj`` / ``k_proj``, the q/k
 function, and the matrix is ``math.qk.score_matrix``. Three checks travel back with it: the components' sum against
 the stream ``ln1`` read, the rebuilt query and key against the attention call's, and the norms' fit errors; the
 model's own score is the call's query times its key times its scaling (plus a finite mask value: a position bias).
+
+The host never waits for the device while the forward pass runs: the indices go to the device in one copy before
+the first read (``Sites.on``), the checks stay 0-d tensors there, and the readout is gathered there and copied to
+the host once, after a read of ``model.output`` (the later blocks and the head have run by then:
+``ScoreReadout.gathered``).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +33,7 @@ from ..plan.plan import Plan
 from ..plan.scores import ScoreSpec, splits_heads
 from .kinds import pattern
 from .readers import Sites, at, frozen_at, param, read_site
+from .recipe import largest
 
 
 def term_writes(layer, planned, by: str, sites: Sites, fits: list) -> list:
@@ -63,7 +69,8 @@ def term_writes(layer, planned, by: str, sites: Sites, fits: list) -> list:
 
 
 def rows_of(tensor: torch.Tensor, sites: Sites) -> torch.Tensor:
-    """``[n, ...]``: a ``[batch or 1, pos, ...]`` tensor at the sites (a batch of 1 broadcasts)."""
+    """``[n, ...]``: a ``[batch or 1, pos, ...]`` tensor at the sites (a batch of 1 broadcasts; the sites' indices
+    on the device, ``Sites.on``)."""
     rows = sites.rows if tensor.shape[0] > 1 else torch.zeros_like(sites.rows)
     return tensor[rows.to(tensor.device), sites.positions.to(tensor.device)].float()
 
@@ -81,7 +88,7 @@ def rotations(home: str | None, vectors: torch.Tensor, cos, sin, part: slice) ->
     """The readings of the rotary the attention may apply to ``vectors`` ``[m, C + 1, head_dim]``: the model's own
     ``apply_rotary_pos_emb`` on the whole head (its own partial or half-width rotary inside it), on the first
     ``cos``-wide features (partial rotary done by the caller, Phi), or none (NoPE layers: EXAONE-4's global ones).
-    ``side`` keeps the one rebuilding the attention call's own query or key."""
+    ``side`` keeps the one rebuilding the attention call's own query or key (all of one shape)."""
     if cos is None:
         return [vectors]
     function = sys.modules[home].apply_rotary_pos_emb
@@ -108,23 +115,24 @@ def frozen_norm(norm, sites: Sites, fits: list, heads: int, seq: int) -> list:
         stream = at(value.transpose(1, 2) if transposed else value, sites)
         probe = probe_norm(norm, stream.shape[-1]).to(stream.device)
         frozen.append(probe.freeze(stream, at(output.transpose(1, 2) if transposed else output, sites)))
-    fits.append(min(f.fit_error for f in frozen))
+    fits.append(torch.stack([f.fit_error for f in frozen]).min())  # on the device: not read on the host here
     return frozen
 
 
 def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slice, index: int, width: int,
          head_dim: int, rotary: tuple, real: torch.Tensor):
-    """``(vectors [m, C + 1, head_dim], gap)``: each component's query (or key) of head ``index`` at the sites
+    """``(vectors [m, C + 1, head_dim], gap [])``: each component's query (or key) of head ``index`` at the sites
     ``part``, then what no component wrote, through the projection, the frozen q/k norm (the reading of ``norms``
     rebuilding ``real``, the attention call's own, best) and the rotary (``(module name, cos, sin)``: the model's
     own ``apply_rotary_pos_emb`` at each site's position, read as ``rotations`` says; cos None: no rotary); ``gap``
-    is the rebuild's."""
+    is the rebuild's. The best reading is chosen on the device (``torch.where``: the first of the smallest gap), so
+    nothing is read on the host while the forward pass runs."""
     home, cos, sin = rotary
     x = qk.project(normed[part], proj.weight)  # [m, C, heads * head_dim]
     x0 = qk.project(bias[None], proj.weight).expand(x.shape[0], -1)
     if getattr(proj, "bias", None) is not None:
         x0 = x0 + proj.bias.float().to(x0.device)
-    best = None
+    best = gap = None
     for norm in norms or [None]:
         y, y0 = through_norm(None if norm is None else SitesNorm(norm, part), x, x0, width)
         m = y.shape[0]
@@ -132,10 +140,13 @@ def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slic
         y0 = y0.view(m, width, head_dim)[:, index]
         both = torch.cat([y, y0[:, None]], 1)  # [m, C + 1, head_dim]
         for rotated in rotations(home, both, cos, sin, part):
-            gap = qk.relative_gap(rotated.sum(1), real.to(rotated.device))
-            if best is None or gap < best[1]:
-                best = (rotated, gap)
-    return best
+            found = qk.relative_gap(rotated.sum(1), real.to(rotated.device))
+            if best is None:
+                best, gap = rotated, found
+                continue
+            closer = found < gap  # [] bool on the device
+            best, gap = torch.where(closer, rotated, best), torch.where(closer, found, gap)
+    return best, gap
 
 
 def through_norm(frozen, x: torch.Tensor, x0: torch.Tensor, heads: int):
@@ -167,19 +178,24 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         except DLAError as error:
             raise DLAError(f"attribute_scores reads the query and key from the attention call: {error}") from error
         n, keys = k_positions.shape
+        # the indices go to the device in one copy, before the forward pass runs (the first read below): a copy from
+        # host memory waits for the device, as a read of a result does
+        device = module_at(attention, spec.q_proj).weight.device  # where the score is computed
+        indices = torch.cat([torch.arange(n), q_positions.long(), k_positions.reshape(-1).long()]).to(device)
+        rows, q_positions, key_positions = indices.split([n, n, n * keys])  # [n], [n], [n * keys]
+        key_rows = rows[:, None].expand(n, keys).reshape(-1)  # [n * keys]: each key's prompt
+        k_positions = key_positions.view(n, keys)
         stream = read_site(model.layers[0], "input")
-        batch = int(stream.shape[0])
-        rows = torch.arange(n)
-        sites = Sites(torch.cat([rows, rows.repeat_interleave(keys)]),
-                      torch.cat([q_positions, k_positions.reshape(-1)]), batch)
-        fits: list = []
+        batch, seq = int(stream.shape[0]), int(stream.shape[1])
+        sites = Sites.on(torch.cat([rows, key_rows]), torch.cat([q_positions, key_positions]), batch, seq)
+        fits: list = []  # each a 0-d tensor on the device
         writes = [at(stream, sites)]
         for i, terms in enumerate(plan.terms_before(spec.stop)):
             for planned in terms:
                 writes.extend(term_writes(model.layers[i], planned, spec.by, sites, fits))
         if spec.ln1 is None:  # the attention reads the stream itself: an identity norm
             entering = at(read_site(block, "input", batch), sites)
-            frozen = identity_probe(entering.shape[-1]).to(entering.device).freeze(entering, entering)
+            frozen = identity_probe(entering.shape[-1], entering.device).freeze(entering, entering)
         else:
             ln1 = module_at(block, spec.ln1)
             entering = at(read_site(ln1, "input", batch), sites)
@@ -190,7 +206,6 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         cos = sin = None
         if rotary is not None and spec.rotary is not None:
             cos, sin = rows_of(rotary[0], sites), rows_of(rotary[1], sites)
-        seq = int(stream.shape[1])
         q_norm = None if spec.q_norm is None else frozen_norm(module_at(attention, spec.q_norm), sites, fits,
                                                               spec.heads, seq)
         k_norm = None if spec.k_norm is None else frozen_norm(module_at(attention, spec.k_norm), sites, fits,
@@ -204,8 +219,7 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         scaling = spec.head_dim ** -0.5 if scaling is None else float(scaling)
         softcap = named.get("softcap")
         real_q = query[rows.to(query.device), spec.head, q_positions.to(query.device)].float()  # [n, head_dim]
-        key_rows = rows.repeat_interleave(keys).to(key.device)
-        real_k = key[key_rows, spec.kv_head, k_positions.reshape(-1).to(key.device)].float()  # [n * keys, head_dim]
+        real_k = key[key_rows.to(key.device), spec.kv_head, key_positions.to(key.device)].float()  # [n*keys, head_dim]
         bias, allowed = mask_at(mask, rows, q_positions, k_positions, named.get("sliding_window"))
         with qk.exact():
             written = torch.stack([w.to(entering.device) for w in writes], 1)  # [sites, C, d_model]
@@ -226,10 +240,12 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
             bias = bias.to(score.device)
             size = values.abs().sum((2, 3)) + constant.abs()
             qk_size = real_q.norm(dim=-1)[:, None] * real_k.norm(dim=-1) * abs(scaling)
-        return ScoreReadout(values.cpu(), (constant + bias).cpu(), (score + bias).cpu(), allowed.float().cpu(),
-                            size.cpu(), qk_size.cpu(),
-                            torch.tensor([stream_error, q_error, k_error, float(max(fits, default=0.0)),
-                                          float(softcap or 0.0)]))
+            checks = torch.stack([stream_error.to(device), q_error.to(device), k_error.to(device),
+                                  largest(fits, device), torch.full((), float(softcap or 0.0), device=device)])
+        # the end of the forward pass (the later blocks, the head): the one copy to the host below then waits for no
+        # kernel the model still has to run
+        model.output  # noqa: B018 (a read, not a useless expression: the trace waits here for the forward to end)
+        return ScoreReadout.gathered(values, constant + bias, score + bias, allowed.float(), size, qk_size, checks)
 
 
 class SitesNorm:
@@ -242,21 +258,23 @@ class SitesNorm:
 
 def mask_at(mask, rows: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor, window):
     """``(bias [n, keys], allowed [n, keys])``: the attention mask's value at each (query, key) pair: a finite value
-    is added to the score (a position bias), a masked pair (padding, causality, a sliding window) is not allowed."""
+    is added to the score (a position bias), a masked pair (padding, causality, a sliding window) is not allowed.
+    On the device of the indices (``rows`` / ``q_positions`` ``[n]``, ``k_positions`` ``[n, keys]``)."""
     n, keys = k_positions.shape
-    allowed = torch.ones(n, keys, dtype=torch.bool)
-    bias = torch.zeros(n, keys)
+    device = k_positions.device
+    allowed = torch.ones(n, keys, dtype=torch.bool, device=device)
+    bias = torch.zeros(n, keys, device=device)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         r = (rows if mask.shape[0] > 1 else torch.zeros_like(rows)).to(mask.device)
         q = (q_positions if mask.shape[2] > 1 else torch.zeros_like(q_positions)).to(mask.device)
-        picked = mask[r[:, None], 0, q[:, None], k_positions.to(mask.device)].cpu()  # [n, keys]
+        picked = mask[r[:, None], 0, q[:, None], k_positions.to(mask.device)].to(device)  # [n, keys]
         if picked.dtype == torch.bool:
             return bias, picked
         picked = picked.float()
         allowed = picked > torch.finfo(mask.dtype).min / 2
         return torch.where(allowed, picked, torch.zeros_like(picked)), allowed
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # a [batch, keys] padding mask (1: a real token)
-        allowed = mask[rows[:, None].to(mask.device), k_positions.to(mask.device)].bool().cpu()
+        allowed = mask[rows[:, None].to(mask.device), k_positions.to(mask.device)].bool().to(device)
     allowed = allowed & (k_positions <= q_positions[:, None])
     if window is not None:
         allowed = allowed & (q_positions[:, None] - k_positions < int(window))
@@ -267,7 +285,9 @@ def mask_at(mask, rows: torch.Tensor, q_positions: torch.Tensor, k_positions: to
 class ScoreReadout:
     """What a trace sends back: ``values [n, keys, C, C]``, ``constant`` / ``score`` / ``allowed`` / ``size`` (the
     sum of the parts' sizes) / ``qk_size`` (``|q| |k| scaling``) ``[n, keys]``, and ``checks`` ``[5]``: the stream's,
-    the query's and the key's relative rebuild gaps, the largest norm fit error, the attention soft-cap (0: none)."""
+    the query's and the key's relative rebuild gaps, the largest norm fit error, the attention soft-cap (0: none).
+
+    ``packed`` (not compared): the host tensor ``gathered`` copied, which ``pack`` returns as it is."""
 
     values: torch.Tensor
     constant: torch.Tensor
@@ -276,11 +296,33 @@ class ScoreReadout:
     size: torch.Tensor
     qk_size: torch.Tensor
     checks: torch.Tensor
+    packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def gathered(cls, *fields: torch.Tensor) -> ScoreReadout:
+        """The readout of a trace, brought to the host in one copy: ``fields`` (in field order, on the device) packed
+        into one tensor there and copied to the host once, after the forward pass: the only time the trace waits
+        for the device."""
+        n, keys, count = fields[0].shape[:3]
+        host = cls(*fields).pack().cpu()
+        return cls.unpack(host, n, keys, count)
 
     def pack(self) -> torch.Tensor:
-        """One flat float32 tensor (``ScoreCall.unpack`` reads it back)."""
-        return torch.cat([t.float().reshape(-1) for t in (self.values, self.constant, self.score, self.allowed,
-                                                          self.size, self.qk_size, self.checks)])
+        """One flat float32 tensor on ``values``' device (``ScoreCall.unpack`` reads it back)."""
+        if self.packed is not None:
+            return self.packed
+        device = self.values.device
+        return torch.cat([t.float().reshape(-1).to(device) for t in (self.values, self.constant, self.score,
+                                                                     self.allowed, self.size, self.qk_size,
+                                                                     self.checks)])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, n: int, keys: int, count: int) -> ScoreReadout:
+        """The inverse of ``pack`` for ``n`` queries of ``keys`` keys each, ``count`` components a side."""
+        sizes = [n * keys * count * count] + [n * keys] * 5 + [5]
+        pieces = list(torch.split(packed.reshape(-1), sizes))
+        return cls(pieces[0].view(n, keys, count, count), *(p.view(n, keys) for p in pieces[1:6]), pieces[6],
+                   packed=packed)
 
 
 @dataclass(frozen=True)
@@ -299,7 +341,4 @@ class ScoreCall:
     def unpack(self, packed: torch.Tensor) -> ScoreReadout:
         """The ``ScoreReadout`` a trace's ``pack()`` sent."""
         n, keys = self.k_positions.shape
-        count = len(self.spec.labels)
-        sizes = [n * keys * count * count] + [n * keys] * 5 + [5]
-        pieces = list(torch.split(packed.reshape(-1), sizes))
-        return ScoreReadout(pieces[0].view(n, keys, count, count), *(p.view(n, keys) for p in pieces[1:6]), pieces[6])
+        return ScoreReadout.unpack(packed, n, keys, len(self.spec.labels))
