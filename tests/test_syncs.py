@@ -118,8 +118,8 @@ def test_no_wait_for_the_device_splitting_sources_by_upstream(family, upstream):
     """``by="source"`` with ``upstream=``: every component's writes at the sources, each prompt's sites grouped on
     the host before the forward pass (``Sites.grouped``), no read of the rows in it."""
     model = bf16_model(family)
-    counted(model, by="source", sources=dict(upstream=upstream))
-    _, traces = counted(model, by="source", sources=dict(upstream=upstream))
+    counted(model, by="source", sources={"upstream": upstream})
+    _, traces = counted(model, by="source", sources={"upstream": upstream})
     for counts in traces:
         assert waits(counts) == [], (family, upstream, waits(counts))
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # What a field the trace did not give reads (a granularity or precision without it: no pattern split, no rounding
 # bound in float32, no head check on a direction): the dataclass's defaults, and what ``gathered`` writes.
 DEFAULTS = {"head_error": 0.0, "pattern_error": 0.0, "pattern_layer": -1.0, "logit_size": 0.0, "head_noise": 0.0,
@@ -21,8 +20,8 @@ DEFAULTS = {"head_error": 0.0, "pattern_error": 0.0, "pattern_layer": -1.0, "log
 
 
 def default(name: str):
-    """A ``Readout`` field defaulting to ``DEFAULTS[name]``, a ``[]`` float32 tensor."""
-    return field(default_factory=lambda: torch.tensor(DEFAULTS[name]))
+    """What makes the default of the ``Readout`` field ``name``: ``DEFAULTS[name]``, a ``[]`` float32 tensor."""
+    return lambda: torch.tensor(DEFAULTS[name])
 
 
 @dataclass
@@ -74,19 +73,19 @@ class Readout:
     head_error: torch.Tensor
     norm_fit_error: torch.Tensor
     scale: torch.Tensor
-    pattern_error: torch.Tensor = default("pattern_error")
-    pattern_layer: torch.Tensor = default("pattern_layer")
-    logit_size: torch.Tensor = default("logit_size")
-    head_noise: torch.Tensor = default("head_noise")
-    stream_noise: torch.Tensor = default("stream_noise")
-    split_gap: torch.Tensor = default("split_gap")
-    split_noise: torch.Tensor = default("split_noise")
-    split_worst_gap: torch.Tensor = default("split_worst_gap")
-    split_worst_allowed: torch.Tensor = default("split_worst_allowed")
-    split_worst_term: torch.Tensor = default("split_worst_term")
-    finite_head: torch.Tensor = default("finite_head")
-    first_nonfinite: torch.Tensor = default("first_nonfinite")
-    unit_roundoff: torch.Tensor = default("unit_roundoff")
+    pattern_error: torch.Tensor = field(default_factory=default("pattern_error"))
+    pattern_layer: torch.Tensor = field(default_factory=default("pattern_layer"))
+    logit_size: torch.Tensor = field(default_factory=default("logit_size"))
+    head_noise: torch.Tensor = field(default_factory=default("head_noise"))
+    stream_noise: torch.Tensor = field(default_factory=default("stream_noise"))
+    split_gap: torch.Tensor = field(default_factory=default("split_gap"))
+    split_noise: torch.Tensor = field(default_factory=default("split_noise"))
+    split_worst_gap: torch.Tensor = field(default_factory=default("split_worst_gap"))
+    split_worst_allowed: torch.Tensor = field(default_factory=default("split_worst_allowed"))
+    split_worst_term: torch.Tensor = field(default_factory=default("split_worst_term"))
+    finite_head: torch.Tensor = field(default_factory=default("finite_head"))
+    first_nonfinite: torch.Tensor = field(default_factory=default("first_nonfinite"))
+    unit_roundoff: torch.Tensor = field(default_factory=default("unit_roundoff"))
     buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)  # values' own, with room (pack)
     gathered_into: torch.Tensor | None = field(default=None, repr=False, compare=False)  # gathered(): fields in it
 
