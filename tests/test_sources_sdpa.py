@@ -247,6 +247,7 @@ def test_real_models_sdpa_equals_eager(name):
     assert gap(attrs["sdpa"], attrs["eager"]) <= REAL_GAP, gap(attrs["sdpa"], attrs["eager"])
 
 
-# |sdpa part - eager part| / max |eager part| on the two prompts, measured: SmolLM2-135M 1.04e-6, Gemma-3-270M
-# 7.1e-7 (float32); about twice the larger.
-REAL_GAP = 2e-6
+# |sdpa part - eager part| / max |eager part| on the two prompts, float32, measured: SmolLM2-135M 1.04e-6,
+# Gemma-3-270M 7.1e-7 on an AVX2 CPU; SmolLM2-135M 2.11e-6 on an AVX-512 one (AMD EPYC: its kernels sum in another
+# order). About 20 float32 ulps of the largest part; a wrong pattern or value moves it by O(1).
+REAL_GAP = 1e-5

@@ -121,3 +121,13 @@ def rowwise(u: torch.Tensor, f):
     if first.shape[0] < MIN_ROWS:  # pad with the first rows, so the product takes the many-row path
         first = torch.cat([first, torch.arange(MIN_ROWS - first.shape[0], device=first.device) % u.shape[0]])
     return f(u.index_select(0, first)).index_select(0, inverse)  # index_select: advanced indexing's copy, faster
+
+
+def relative_gap(rebuilt: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``[]`` float32 on ``rebuilt``'s device: ``max |rebuilt - real| / max |real|`` (0 when ``real`` is empty), how
+    far a vector the recipe rebuilt is from the model's own. Not read on the host: a read would wait for the device.
+    """
+    if not real.numel():
+        return torch.zeros((), device=rebuilt.device)
+    real = real.to(rebuilt.device).float()
+    return (rebuilt.float() - real).abs().max() / real.abs().max().clamp(min=1e-30)

@@ -55,9 +55,3 @@ def score_matrix(q: torch.Tensor, q0: torch.Tensor, k: torch.Tensor, k0: torch.T
                     + torch.einsum("nd,nkd->nk", q0, k0)) * scaling
         return values, constant
 
-
-def relative_gap(rebuilt: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """``[]`` float32, on the tensors' device: ``max |rebuilt - real| / max |real|``, how far a rebuilt vector is from
-    the model's own (not read on the host: a read there would wait for the device)."""
-    with exact():
-        return (rebuilt.float() - real.float()).abs().max() / real.float().abs().max().clamp(min=1e-30)

@@ -28,6 +28,7 @@ import torch
 from ..errors import DLAError
 from ..math import qk
 from ..math.frozen_norm import identity_probe, probe_norm
+from ..math.linalg import relative_gap
 from ..plan.build import module_at
 from ..plan.plan import Plan
 from ..plan.scores import ScoreSpec, splits_heads
@@ -140,7 +141,7 @@ def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slic
         y0 = y0.view(m, width, head_dim)[:, index]
         both = torch.cat([y, y0[:, None]], 1)  # [m, C + 1, head_dim]
         for rotated in rotations(home, both, cos, sin, part):
-            found = qk.relative_gap(rotated.sum(1), real.to(rotated.device))
+            found = relative_gap(rotated.sum(1), real.to(rotated.device))
             if best is None:
                 best, gap = rotated, found
                 continue
@@ -223,7 +224,7 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         bias, allowed = mask_at(mask, rows, q_positions, k_positions, named.get("sliding_window"))
         with qk.exact():
             written = torch.stack([w.to(entering.device) for w in writes], 1)  # [sites, C, d_model]
-            stream_error = qk.relative_gap(written.sum(1), entering)
+            stream_error = relative_gap(written.sum(1), entering)
             normed = qk.frozen_linear(frozen.gain, frozen.centers, frozen.scale[:, None], written)
             q_proj, k_proj = module_at(attention, spec.q_proj), module_at(attention, spec.k_proj)
             rotary = (spec.rotary, cos, sin)

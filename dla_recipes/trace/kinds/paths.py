@@ -25,19 +25,12 @@ from __future__ import annotations
 import torch
 
 from ...math.frozen_norm import probe_norm
-from ...math.linalg import exact, linear_pullback
+from ...math.linalg import exact, linear_pullback, relative_gap
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import read_site, term_write
 from .pattern import per_prompt
 from .sources import values_of
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[]``: ``max |a - b| / max |b|`` (0 for empty tensors), on ``a``'s device (not read on the host here)."""
-    if not b.numel():
-        return torch.zeros((), device=a.device)
-    return (a - b.to(a.device)).abs().max() / b.abs().max().to(a.device).clamp(min=1e-30)
 
 
 class Paths:
@@ -119,7 +112,7 @@ class Paths:
                     write = (z + (0.0 if bias is None else bias.float().to(z.device))) * term.multiplier
             with exact():
                 total = total + write.to(stream.device)
-        self.errors.append(relative(total, stream))
+        self.errors.append(relative_gap(total, stream))
         self.norms[i] = (frozen, len(self.writes))
 
     def split(self, layer, planned: PlannedTerm, i: int, u: torch.Tensor, weights: torch.Tensor,
@@ -165,7 +158,7 @@ class Paths:
         with exact():
             parts = torch.cat(columns, -1) * (weights * scale[rows][:, None])[..., None]
             rest = weights * rest[..., None]  # [n, heads, count]
-            self.errors.append(relative(parts.sum(-1) + rest, own))
+            self.errors.append(relative_gap(parts.sum(-1) + rest, own))
             return torch.cat([parts, rest[..., None]], -1).flatten(2)
 
     def head_columns(self, write: tuple, pulled: torch.Tensor, groups: tuple) -> torch.Tensor:

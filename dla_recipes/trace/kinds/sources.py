@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import DLAError
+from ...math.linalg import relative_gap
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm, Sources
 from ..readers import Sites, at, read_site
@@ -100,9 +101,7 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> SourceReads:
     weights = recomputed
     values = values_of(values, heads.values_layout, planned.parts, planned.part_width)
     rebuilt = grouped_sum(weights, values.to(weights.device), sites.groups).flatten(1)
-    scale = inputs.abs().max().clamp(min=1e-30)
-    return SourceReads(values, inputs, weights, (rebuilt - inputs.to(rebuilt.device)).abs().max() / scale, sites,
-                       full)
+    return SourceReads(values, inputs, weights, relative_gap(rebuilt, inputs), sites, full)
 
 
 def values_of(fused: torch.Tensor, layout: str | None, heads: int, head_dim: int) -> torch.Tensor:
