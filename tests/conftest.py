@@ -200,7 +200,94 @@ def fast_sweep(families) -> list[str]:
     return [f for f in families if f in FAST_FAMILIES] or families[:1]
 
 
+# -- the split over two workers (make test: pytest -n 2, pytest-xdist) -------------------------------------------------
+
+# The modules whose tests share one in-process record or one set of files (the notebook runner's executed copies
+# under build/, the built site): one worker runs them all, in one group, and first (the longest group).
+DOCS_GROUP = ("test_notebooks", "test_docs_site", "test_docs_build", "test_gallery")
+GROUPS_ENV = "DLA_WORKER_GROUPS"  # the folder where each worker writes its items' groups for the controller
+
+
+def worker_group(item) -> str | None:
+    """The worker group of ``item`` (a group runs on one worker), or None (any worker): the docs modules are one
+    group; a test that uses a module-scoped fixture (a real model, a loopback server, a built site) runs with the
+    other tests of its module that do, so the fixture is built once."""
+    module = item.path.stem
+    if module in DOCS_GROUP:
+        return "docs"
+    definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    if any(d.scope in ("module", "package", "session") and d.baseid for defs in definitions.values() for d in defs):
+        return module
+    return None
+
+
+def cover(families, options, per_family: int = 2) -> list[tuple[str, object]]:
+    """A pairwise cover of ``families x options``, as ``(family, option)`` pairs: every family of ``FAST_FAMILIES``
+    (one per group of the family table: what each adds that the others do not) with every option, every other
+    family with ``per_family`` of them, taken in turn (family ``i`` gets options ``i, i + 1, ...`` modulo their
+    number), so each option still meets about ``per_family / len(options)`` of the families and every family meets
+    ``per_family`` options. The full product (every family x every option) tested nothing a cover does not: each
+    option's code is the same on every family, and each family's readers are the same under every option; a
+    family's reader that breaks one option only is still met by it on ``per_family / len(options)`` of the
+    families, and on all of FAST_FAMILIES."""
+    families, options = list(dict.fromkeys(families)), list(options)
+    pairs = []
+    for i, family in enumerate(fast_sweep(families)):
+        chosen = options if family in FAST_FAMILIES else [options[(i + j) % len(options)]
+                                                           for j in range(min(per_family, len(options)))]
+        pairs += [(family, option) for option in chosen]
+    return pairs
+
+
+def pytest_configure(config):
+    """The controller of an ``-n`` run: a fresh folder for the workers' groups (its workers inherit the variable)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        import tempfile
+
+        os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="dla-worker-groups-")
+
+
+def record_groups(config, items) -> None:
+    """A worker: write ``{nodeid: group}`` of its collected items where the controller's scheduler reads it (every
+    worker collects the same items; the controller schedules once all have reported their collection)."""
+    import json
+
+    folder = os.environ.get(GROUPS_ENV)
+    if folder and hasattr(config, "workerinput"):
+        groups = {item.nodeid: group for item in items if (group := worker_group(item)) is not None}
+        Path(folder, f"{config.workerinput['workerid']}.json").write_text(json.dumps(groups))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scope scheduling with this suite's groups: a group (``worker_group``) is one unit of work,
+    every other test a unit of its own. (xdist's own ``--dist loadgroup`` renames the node ids, which pytest 9 no
+    longer lets a plugin do.)"""
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = {}
+                for path in sorted(Path(os.environ[GROUPS_ENV]).glob("*.json")):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid, nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    """``DLA_FAST=1``: deselect the items of each family sweep whose ``family`` is not in ``fast_sweep``; the docs
+    group first (the longest unit of work starts first); under ``-n``, the groups written for the scheduler."""
+    items.sort(key=lambda item: item.path.stem not in DOCS_GROUP)  # stable: the rest keep their order
+    deselect_fast(config, items)
+    record_groups(config, items)
+
+
+def deselect_fast(config, items) -> None:
     """``DLA_FAST=1``: deselect the items of each family sweep whose ``family`` is not in ``fast_sweep``."""
     if not FAST:
         return

@@ -21,6 +21,7 @@ from conftest import (
     CONTRAST,
     PROMPTS,
     TARGET,
+    cover,
     eager_model,
     hooked_output,
     is_source_refusal,
@@ -124,12 +125,14 @@ def test_every_position_is_the_models_logit(family):
     """``position="all"`` over the padded batch (6, 2 and 4 tokens; a padding-unsafe family grouped by length): at
     every site the parts sum to the plain forward's logit(target) - logit(contrast) at that position, within that
     site's own self-check bound; masked entries are NaN. Each position is also the one-position call's (the same
-    prompts, ``position=k``) to float rounding: one pass over every site is no different from one pass a site."""
+    prompts, ``position=k``) to float rounding at a column of each padding pattern (three, two and one prompts
+    have it): one pass over every site is no different from one pass a site."""
     model = tiny_model(family)
     attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all")
     check_sites(model, attr, PROMPTS, every_position(model), difference(model), family)
     assert attr.target_tokens[0][0] == TARGET and attr.contrast_tokens[0][0] == CONTRAST
-    for k in range(attr.n_positions):
+    # one column of each membership (6, 2 and 4 tokens: columns 0-1 hold three prompts, 2-3 two, 4-5 one)
+    for k in sorted({1, 3, attr.n_positions - 1}):
         members = [b for b in range(len(PROMPTS)) if attr.mask[b, k]]
         alone = dla_recipes.attribute(model, [PROMPTS[b] for b in members], TARGET, contrast=CONTRAST, position=k)
         column = attr.at(k)
@@ -139,70 +142,81 @@ def test_every_position_is_the_models_logit(family):
             assert gap <= SAME, f"{family}: column {k}'s {name} differs from position={k} alone by {gap:.3g}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_linear_targets_are_the_models(family):
+TARGET_KINDS = ("mean", "weighted", "top", "next", "grid")
+
+
+@pytest.mark.parametrize(("family", "kind"), cover(FAMILIES, TARGET_KINDS))
+def test_linear_targets_are_the_models(family, kind):
     """Any linear function of the logits, at every position, against the plain forward: ``contrast="mean"``
     (logit - the mean logit over the vocabulary), a weighted set (sum of w * logit), ``target=None`` (the plain
     forward's own argmax at each position is the token attributed), ``target="next"`` (each position's next token;
-    the last position left out) and a target per prompt and position (a ``[batch, n_positions]`` tensor)."""
+    the last position left out) and a target per prompt and position (a ``[batch, n_positions]`` tensor). The
+    target is resolved on the client into one direction on the logits; what a family changes about it (its final
+    norm, soft-cap, padding) is met by each kind on a cover of the families (``conftest.cover``)."""
     model = tiny_model(family)
-    t = token_id(model, TARGET)
+    t, c = token_id(model, TARGET), token_id(model, CONTRAST)
     everywhere = every_position(model)
+    if kind == "mean":
+        mean = dla_recipes.attribute(model, PROMPTS, TARGET, contrast="mean", position="all")
+        check_sites(model, mean, PROMPTS, everywhere, lambda b, p, z: z[p, t] - z[p].mean(), f"{family} mean")
+        assert mean.contrast_tokens[0][0] == "mean"
+    elif kind == "weighted":
+        ids = {token_id(model, k): w for k, w in WEIGHTED.items()}
+        weighted = dla_recipes.attribute(model, PROMPTS, WEIGHTED, position="all")
+        check_sites(model, weighted, PROMPTS, everywhere, lambda b, p, z: sum(w * z[p, i] for i, w in ids.items()),
+                    f"{family} weighted")
+    elif kind == "top":
+        top = dla_recipes.attribute(model, PROMPTS, None, contrast=CONTRAST, position="all")
+        check_sites(model, top, PROMPTS, everywhere, lambda b, p, z: z[p].max() - z[p, c], f"{family} top")
+        for b, prompt in enumerate(PROMPTS):
+            argmax = own_logits(model, prompt).argmax(-1).tolist()
+            assert [model.tokenizer.decode([i]) for i in argmax] == list(top.target_tokens[b][:len(argmax)]), family
+    elif kind == "next":
+        following = [ids_of(model, p) for p in PROMPTS]
+        nxt = dla_recipes.attribute(model, PROMPTS, "next", position="all")
+        check_sites(model, nxt, PROMPTS, [own[:-1] for own in everywhere],
+                    lambda b, p, z: z[p, following[b][p + 1]], f"{family} next")
+    else:
+        grid = torch.randint(0, 60, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(0))
+        per_site = dla_recipes.attribute(model, PROMPTS, grid, contrast=CONTRAST, position="all")
+        check_sites(model, per_site, PROMPTS, everywhere, lambda b, p, z: z[p, grid[b, p]] - z[p, c],
+                    f"{family} grid")
 
-    mean = dla_recipes.attribute(model, PROMPTS, TARGET, contrast="mean", position="all")
-    check_sites(model, mean, PROMPTS, everywhere, lambda b, p, z: z[p, t] - z[p].mean(), f"{family} mean")
-    assert mean.contrast_tokens[0][0] == "mean"
 
-    ids = {token_id(model, k): w for k, w in WEIGHTED.items()}
-    weighted = dla_recipes.attribute(model, PROMPTS, WEIGHTED, position="all")
-    check_sites(model, weighted, PROMPTS, everywhere, lambda b, p, z: sum(w * z[p, i] for i, w in ids.items()),
-                f"{family} weighted")
-
-    top = dla_recipes.attribute(model, PROMPTS, None, contrast=CONTRAST, position="all")
-    c = token_id(model, CONTRAST)
-    check_sites(model, top, PROMPTS, everywhere, lambda b, p, z: z[p].max() - z[p, c], f"{family} top")
-    for b, prompt in enumerate(PROMPTS):
-        argmax = own_logits(model, prompt).argmax(-1).tolist()
-        assert [model.tokenizer.decode([i]) for i in argmax] == list(top.target_tokens[b][:len(argmax)]), (family, b)
-
-    following = [ids_of(model, p) for p in PROMPTS]
-    nxt = dla_recipes.attribute(model, PROMPTS, "next", position="all")
-    check_sites(model, nxt, PROMPTS, [own[:-1] for own in everywhere],
-                lambda b, p, z: z[p, following[b][p + 1]], f"{family} next")
-
-    grid = torch.randint(0, 60, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(0))
-    per_site = dla_recipes.attribute(model, PROMPTS, grid, contrast=CONTRAST, position="all")
-    check_sites(model, per_site, PROMPTS, everywhere, lambda b, p, z: z[p, grid[b, p]] - z[p, c], f"{family} grid")
+ID_FORMS = ("lists", "encoding", "tensor", "one")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_token_id_prompts_are_the_models(family):
+@pytest.mark.parametrize(("family", "form"), cover(FAMILIES, ID_FORMS, per_family=1))
+def test_token_id_prompts_are_the_models(family, form):
     """Prompts given as token ids (a list of id lists of different lengths, a tokenizer's padded ``BatchEncoding``,
     a ``[batch, pos]`` tensor of equal-length prompts, one list of ints) against the plain forward of those ids
-    alone, at every position; the same as the text prompts."""
+    alone, at every position; the same as the text prompts. The ids are read on the client (one form a case, on a
+    cover of the families: ``conftest.cover``)."""
     model = tiny_model(family)
     lists = [ids_of(model, p) for p in PROMPTS]
-    text = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all")
-    as_lists = dla_recipes.attribute(model, lists, TARGET, contrast=CONTRAST, position="all")
-    check_sites(model, as_lists, lists, every_position(model, lists), difference(model), f"{family} id lists")
-    assert torch.equal(as_lists.values.nan_to_num(), text.values.nan_to_num()), family
-
-    encoding = model.tokenizer(PROMPTS, return_tensors="pt", padding=True)
-    as_encoding = dla_recipes.attribute(model, encoding, TARGET, contrast=CONTRAST, position="all")
-    check_sites(model, as_encoding, lists, every_position(model, lists), difference(model), f"{family} encoding")
-
-    square = torch.tensor([lists[0], [t + 20 for t in lists[0]]])  # two prompts of 6 tokens: no padding
-    as_tensor = dla_recipes.attribute(model, square, TARGET, contrast=CONTRAST, position=[0, 2, -1])
-    check_sites(model, as_tensor, square.tolist(), [[0, 2, 5]] * 2, difference(model), f"{family} tensor")
-
-    one = dla_recipes.attribute(model, lists[2], TARGET, contrast=CONTRAST, position=slice(1, None))
-    check_sites(model, one, [lists[2]], [[1, 2, 3]], difference(model), f"{family} one id list")
+    if form == "lists":
+        text = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, position="all")
+        as_lists = dla_recipes.attribute(model, lists, TARGET, contrast=CONTRAST, position="all")
+        check_sites(model, as_lists, lists, every_position(model, lists), difference(model), f"{family} id lists")
+        assert torch.equal(as_lists.values.nan_to_num(), text.values.nan_to_num()), family
+    elif form == "encoding":
+        encoding = model.tokenizer(PROMPTS, return_tensors="pt", padding=True)
+        as_encoding = dla_recipes.attribute(model, encoding, TARGET, contrast=CONTRAST, position="all")
+        check_sites(model, as_encoding, lists, every_position(model, lists), difference(model), f"{family} encoding")
+    elif form == "tensor":
+        square = torch.tensor([lists[0], [t + 20 for t in lists[0]]])  # two prompts of 6 tokens: no padding
+        as_tensor = dla_recipes.attribute(model, square, TARGET, contrast=CONTRAST, position=[0, 2, -1])
+        check_sites(model, as_tensor, square.tolist(), [[0, 2, 5]] * 2, difference(model), f"{family} tensor")
+    else:
+        one = dla_recipes.attribute(model, lists[2], TARGET, contrast=CONTRAST, position=slice(1, None))
+        check_sites(model, one, [lists[2]], [[1, 2, 3]], difference(model), f"{family} one id list")
 
 
 def _granularity_cases():
-    for family in FAMILIES:
-        for by in GRANULARITIES:
-            yield pytest.param(family, by, marks=source_marks(family) if by == "source" else ())
+    """A cover of families x granularities (``conftest.cover``: every granularity at one position is
+    test_families.py's full product; here the new dimension is several positions)."""
+    for family, by in cover(FAMILIES, GRANULARITIES):
+        yield pytest.param(family, by, marks=source_marks(family) if by == "source" else ())
 
 
 @pytest.mark.parametrize(("family", "by"), list(_granularity_cases()))

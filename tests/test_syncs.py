@@ -6,8 +6,9 @@ of host data to the device (``.to(device)`` of a host index) waits for every ker
 block's reads drains the GPU's queue once per block, and the GPU idles while the host catches up. The counter
 tracks which tensors live "on the device" (the model's parameters and everything computed from them) through every
 op, so a CPU run counts the waits a GPU run would have. Checked on every tiny family, in bfloat16 (the precision
-NDIF serves, where the self-check reads the most) by block, head, neuron and source (and by source with
-``upstream=`` on a few families), on a padded batch, on the second call (the first probes the norms, once per
+NDIF serves, where the self-check reads the most), by block, head, neuron and source on a cover of the families x
+granularities (``conftest.cover``: every granularity on one family per group, two on each other family; by source
+with ``upstream=`` on a few families), on a padded batch, on the second call (the first probes the norms, once per
 model); ``attribute_scores`` the same way by block and head, its one copy to the host after the model's last op;
 and on the counter itself: a planted ``.item()`` and a planted ``.to(device)`` of a host index inside a block's
 reads are caught and named.
@@ -23,7 +24,7 @@ import functools
 
 import pytest
 import torch
-from conftest import fast_sweep, is_source_refusal
+from conftest import cover, is_source_refusal
 from test_scores import MUST_SPLIT as SCORES_MUST_SPLIT
 
 import dla_recipes
@@ -85,30 +86,31 @@ def waits(counts) -> list:
     return [e[:3] for e in events if not e[1].startswith(ALLOWED)]
 
 
-@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
-def test_no_wait_for_the_device_inside_the_forward(family):
+@pytest.mark.parametrize(("family", "by"), cover(tiny.FAMILIES, ("block", "head", "neuron", "source")))
+def test_no_wait_for_the_device_inside_the_forward(family, by):
+    """By ``by``, on a cover of the families x granularities (``conftest.cover``): no wait and no upload while the
+    forward runs, no float32 copy of a whole activation."""
     model = bf16_model(family)
-    for by in ("block", "head", "neuron", "source"):
-        try:
-            counted(model, by=by)  # the first call probes the norms (kept on each norm module)
-        except (InputError, FamilyTableError):
-            continue  # a granularity the family refuses: refused the same way, tested elsewhere (an inexact or
-            # non-finite result is not a refusal: it fails here)
-        except DLAError as error:  # by source: the split's own refusal (conftest.is_source_refusal, test_sources.py)
-            if by == "source" and is_source_refusal(error):
-                continue
-            raise
-        _, traces = counted(model, by=by)
-        assert traces, (family, by)
-        for counts in traces:
-            assert waits(counts) == [], (family, by, waits(counts))
-            assert counts.model_ops() > 0
-            # no float32 copy of a whole activation: each cast covers the attributed sites, not [batch, pos, ...]
-            # (by source reads the values at every position, each key being a source, in float32: the one
-            # activation it copies whole, [batch, pos, kv_heads * head_dim])
-            full = len(PROMPTS) * 10 * model.lm_head.weight.shape[-1]
-            if by != "source":
-                assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
+    try:  # the first call probes the norms (kept on each norm module, marked on the device by the counter)
+        counted(model, by=by)
+    except (InputError, FamilyTableError):
+        return  # a granularity the family refuses: refused the same way, tested elsewhere (an inexact or
+        # non-finite result is not a refusal: it fails here)
+    except DLAError as error:  # by source: the split's own refusal (conftest.is_source_refusal, test_sources.py)
+        if by == "source" and is_source_refusal(error):
+            return
+        raise
+    _, traces = counted(model, by=by)
+    assert traces, (family, by)
+    for counts in traces:
+        assert waits(counts) == [], (family, by, waits(counts))
+        assert counts.model_ops() > 0
+        # no float32 copy of a whole activation: each cast covers the attributed sites, not [batch, pos, ...]
+        # (by source reads the values at every position, each key being a source, in float32: the one
+        # activation it copies whole, [batch, pos, kv_heads * head_dim])
+        full = len(PROMPTS) * 10 * model.lm_head.weight.shape[-1]
+        if by != "source":
+            assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
 
 
 # families whose plan accepts each upstream split (Gemma-3's post-norms refuse upstream="head")
@@ -132,31 +134,31 @@ def attended_head(model) -> str | None:
     return None if layer is None else f"L{layer}.H0"
 
 
-@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
-def test_scores_never_wait_for_the_device_inside_the_forward(family):
+@pytest.mark.parametrize(("family", "by"), cover(tiny.FAMILIES, ("block", "head"), per_family=1))
+def test_scores_never_wait_for_the_device_inside_the_forward(family, by):
     """``attribute_scores`` (a head's score split into query x key pairs) too, by block and head: its indices go to
     the device before the forward pass, its checks stay on the device, and its one copy to the host comes after the
-    model's last op (the blocks after the attended one and the head still run when the split is done)."""
+    model's last op (the blocks after the attended one and the head still run when the split is done). On a cover
+    of the families x the two granularities (``conftest.cover``)."""
     model = bf16_model(family)
     head = attended_head(model)
     if head is None:  # no attention heads: refused by name (test_scores.py)
         assert family not in SCORES_MUST_SPLIT, family
         return
-    for by in ("block", "head"):
-        split = functools.partial(dla_recipes.attribute_scores, model, PROMPTS, head, keys=[-2, -1], by=by)
-        try:
-            counting(model, split)  # the first call probes the norms (kept on each norm module)
-        except ExactnessError:
-            raise  # an inexact split is no refusal: it fails here
-        except DLAError:  # a family whose score it cannot split (refused by name, tested in test_scores.py)
-            assert family not in SCORES_MUST_SPLIT, family
-            continue
-        _, traces = counting(model, split)
-        assert traces, (family, by)
-        for counts in traces:
-            assert waits(counts) == [], (family, by, waits(counts))
-            assert counts.model_ops() > 0
-            assert [call for _, _, call, _ in counts.recipe_syncs()] == ["cpu"], (family, by, counts.recipe_syncs())
+    split = functools.partial(dla_recipes.attribute_scores, model, PROMPTS, head, keys=[-2, -1], by=by)
+    try:
+        counting(model, split)  # the first call probes the norms (kept on each norm module, marked on the device)
+    except ExactnessError:
+        raise  # an inexact split is no refusal: it fails here
+    except DLAError:  # a family whose score it cannot split (refused by name, tested in test_scores.py)
+        assert family not in SCORES_MUST_SPLIT, family
+        return
+    _, traces = counting(model, split)
+    assert traces, (family, by)
+    for counts in traces:
+        assert waits(counts) == [], (family, by, waits(counts))
+        assert counts.model_ops() > 0
+        assert [call for _, _, call, _ in counts.recipe_syncs()] == ["cpu"], (family, by, counts.recipe_syncs())
 
 
 def test_the_counter_catches_a_planted_wait(monkeypatch):
