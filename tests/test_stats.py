@@ -1,14 +1,14 @@
-"""``reduce="stats"`` (issue 20): per-component statistics reduced in the trace, against statistics by hand.
+"""``reduce="stats"`` (issue 20): per-component statistics reduced in the trace, against numpy and scipy.
 
 The reference is the per-site rows of ``reduce=None`` on the same prompts (whose parts the other suites check
-against the model's own logits; here the self-check on every row holds them to it too): the mean, std, sem and t
-interval are computed from them with numpy (the t quantile by numerical integration of the t density), the share
-positive exactly; the bootstrap interval and the sign-flip p-value against an independent numpy Poisson bootstrap
-and sign-flip test of those rows (numpy's own random numbers, 2000 replicates each), within their Monte-Carlo
-error. Also: the same statistics with any ``batch_size``, merged chunks equal one call, remote == local on the
-loopback server, paired differences, positions pooled, ``attribute_direction``, a planted fault still raises the
-same ``ExactnessError`` (and a NaN the same ``NonFiniteError``), bytes back flat in the number of prompts, and bad
-input named.
+against the model's own logits; here the self-check on every row holds them to it too): the mean, std and sem are
+numpy's on them, the t interval ``scipy.stats.t.ppf`` times numpy's sem, the share positive exactly; the bootstrap
+interval against ``scipy.stats.bootstrap(method="percentile")`` and the sign-flip p-value against
+``scipy.stats.permutation_test(permutation_type="samples")`` (one sample: its signs flipped) of those rows (20,000
+resamples each, theirs and ours), within their Monte-Carlo error. Also: the same statistics with any
+``batch_size``, merged chunks equal one call, remote == local on the loopback server, paired differences, positions
+pooled, ``attribute_direction``, a planted fault still raises the same ``ExactnessError`` (and a NaN the same
+``NonFiniteError``), bytes back flat in the number of prompts, and bad input named.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import random
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 from conftest import CONTRAST, PROMPTS, TARGET, serve_tiny, single_threaded, tiny_model
 from mutants import MUTANTS
@@ -29,9 +30,16 @@ from dla_recipes.trace import stats as trace_stats
 from dla_recipes.trace import terms
 
 FAMILIES = ("llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "deepseek_v3", "recurrent_gemma", "inkling")
-# Measured over the 8 families x 3 granularities: the summary's mean, std, sem and t interval against numpy's on the
-# same float32 rows differ by at most 4.1e-16 of the column's largest |value| (8.9e-16 absolute).
+# Measured over the 8 families x 3 granularities: the summary's mean, std and sem against numpy's on the same float32
+# rows differ by at most 2.0e-16 of the column's largest |value|.
 SAME = 1e-15
+# The t interval mean -+ t sem against numpy's mean and sem times scipy.stats.t.ppf's t (the function the package
+# calls: the same t bit for bit). Error model: a few float64 operations on each side (n-term sums, Chan's merge of the
+# batches, a square root, one multiply-add), so a few ulps (2.2e-16) of the column's largest |value|: measured at
+# most 3.3e-16 over the 8 families x 3 granularities. Relative to the endpoint itself it reached 2.3e-13 (an
+# endpoint near 0, where mean and t sem cancel), hence the column's scale. 1e-12 leaves room for any CPU's rounding
+# while a wrong quantile is far above it (t at df = n instead of n - 1, n = 12: 2.179 vs 2.201, ~1e-3 of a scale).
+CI_SAME = 1e-12
 
 
 def dataset(n: int, seed: int = 0) -> list[str]:
@@ -46,54 +54,31 @@ def rows(attr) -> np.ndarray:
     return torch.cat([flat.values, flat.constant[:, None], flat.logit[:, None]], -1).double().numpy()
 
 
-def t_quantile(p: float, df: int) -> float:
-    """Student's t quantile by bisection on its closed-form CDF for integer ``df`` (Abramowitz & Stegun 26.7.3-4:
-    ``P(|T| <= t)`` a finite sum in ``theta = atan(t / sqrt(df))``), independent of the package's continued
-    fraction."""
-    def inside(t):  # P(|T| <= t)
-        theta = math.atan(t / math.sqrt(df))
-        s, c = math.sin(theta), math.cos(theta)
-        if df % 2:
-            term = total = c if df > 1 else 0.0
-            for k in range(1, (df - 3) // 2 + 1):
-                term *= 2 * k / (2 * k + 1) * c * c
-                total += term
-            return 2 / math.pi * (theta + s * total)
-        term = total = 1.0
-        for k in range(1, (df - 2) // 2 + 1):
-            term *= (2 * k - 1) / (2 * k) * c * c
-            total += term
-        return s * total
-
-    low, high = 0.0, 1e3
-    for _ in range(200):
-        middle = (low + high) / 2
-        low, high = (middle, high) if 0.5 + inside(middle) / 2 < p else (low, middle)
-    return (low + high) / 2
-
-
 def by_hand(x: np.ndarray, ci: float = 0.95) -> dict:
     n = x.shape[0]
     std = x.std(0, ddof=1)
     sem = std / math.sqrt(n)
-    t = t_quantile(0.5 + ci / 2, n - 1)
+    t = scipy.stats.t.ppf(0.5 + ci / 2, n - 1)
     mean = x.mean(0)
     return {"n": n, "mean": mean, "std": std, "sem": sem, "ci_low": mean - t * sem, "ci_high": mean + t * sem,
             "share_positive": (x > 0).mean(0)}
 
 
-def assert_matches_rows(stats: AttributionStats, x: np.ndarray) -> float:
-    """The summary's moments and t interval are numpy's on the rows, to float rounding; returns the largest gap."""
+def assert_matches_rows(stats: AttributionStats, x: np.ndarray) -> tuple[float, float]:
+    """The summary's moments are numpy's on the rows and its t interval scipy's t quantile times them, to float
+    rounding (relative to each column's largest |value|); returns the largest gaps (moments, interval)."""
     table, hand = stats.summary(), by_hand(x)
     assert stats.n == hand["n"] and (table["n"] == hand["n"]).all()
     scale = np.maximum(np.abs(x).max(0), 1e-30)
-    worst = 0.0
-    for name in ("mean", "std", "sem", "ci_low", "ci_high"):
-        gap = np.abs(table[name].to_numpy() - hand[name]) / scale
-        worst = max(worst, float(gap.max()))
-    assert worst < SAME, worst
+
+    def worst(names):
+        return max(float((np.abs(table[name].to_numpy() - hand[name]) / scale).max()) for name in names)
+
+    moments, interval = worst(("mean", "std", "sem")), worst(("ci_low", "ci_high"))
+    assert moments < SAME, moments
+    assert interval < CI_SAME, interval
     np.testing.assert_array_equal(table["share_positive"].to_numpy(), hand["share_positive"])
-    return worst
+    return moments, interval
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -109,50 +94,74 @@ def test_stats_are_the_rows_statistics(family, by):
     assert stats.error == pytest.approx(attr.error, abs=1e-12)
 
 
-def mc_bootstrap(x: np.ndarray, replicates: int, ci: float, rng) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson(1)-weighted bootstrap of the column means with numpy's own random numbers: the percentile interval
-    and its Monte-Carlo standard error per endpoint (from the replicate means' spread: sd * sqrt(q (1-q) / R) / phi)."""
-    w = rng.poisson(1.0, size=(replicates, x.shape[0])).astype(float)
-    means = (w @ x) / w.sum(1, keepdims=True)
-    q = np.quantile(means, [0.5 - ci / 2, 0.5 + ci / 2], axis=0)
-    z = 1.959963984540054  # the normal's 97.5% quantile (ci = 0.95)
-    density = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
-    error = means.std(0) * math.sqrt((0.5 - ci / 2) * (0.5 + ci / 2) / replicates) / density
-    return q, error
+K = 5  # Monte-Carlo standard errors allowed between the package's resampling and scipy's
 
 
-def mc_signflip(x: np.ndarray, replicates: int, rng) -> np.ndarray:
-    s = rng.choice([-1.0, 1.0], size=(replicates, x.shape[0]))
-    flips = np.abs(s @ x)
-    return (1 + (flips >= np.abs(x.sum(0))).sum(0)) / (replicates + 1)
+def quantile_slope(replicates: np.ndarray, q: float, d: float = 0.01) -> np.ndarray:
+    """``dQ/dq`` of the replicates' distribution (axis 0) at ``q``: the difference quotient of two of its quantiles
+    (Siddiqui's estimate of 1 / density; ``d = 0.01``: 200 replicates either side at R = 20,000)."""
+    high, low = np.quantile(replicates, [q + d, q - d], axis=0)
+    return (high - low) / (2 * d)
 
 
-def test_bootstrap_and_signflip_against_numpy():
-    """The bootstrap interval and the sign-flip p-value against numpy's own resampling of the per-prompt rows,
-    2000 replicates each: within 5 Monte-Carlo standard errors of the two estimates' difference (measured: at most
-    2.0 for the endpoints, 2.2 for the p-values)."""
+def test_bootstrap_and_signflip_against_scipy():
+    """The bootstrap interval and the sign-flip p-value reduced in the trace against scipy's resampling of the
+    per-prompt rows (``scipy.stats.bootstrap``, ``scipy.stats.permutation_test``), 20,000 resamples each, within
+    ``K`` Monte-Carlo standard errors of the two estimates' difference; with the power to see an interval at the
+    wrong level or a one-sided p."""
     model = tiny_model("llama")
-    prompts = dataset(40, seed=2)
-    replicates = 2000
+    n, replicates, ci = 80, 20_000, 0.95
+    prompts = dataset(n, seed=2)
     stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head",
                                   reduce=Stats(replicates=replicates, seed=7), batch_size=16)
     x = rows(dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=16))
-    table = stats.summary()
-    q, error = mc_bootstrap(x, replicates, 0.95, np.random.default_rng(0))
-    for k, name in enumerate(("boot_low", "boot_high")):
-        gap = np.abs(table[name].to_numpy() - q[k])
-        assert (gap <= 5 * math.sqrt(2) * error).all(), (name, (gap / error).max())
+    table = stats.summary(ci)
+    ours = (stats.boot / stats.weight[:, None]).numpy()  # [R, C] the replicates' means
+    boot = scipy.stats.bootstrap((x,), np.mean, n_resamples=replicates, confidence_level=ci, method="percentile",
+                                 axis=0, vectorized=True, batch=1000, rng=np.random.default_rng(0))
+    theirs = boot.bootstrap_distribution.T  # [R, C]
+    # Error model of an endpoint: the q-quantile of R replicates is off by sqrt(q (1 - q) / R) dQ/dq (one standard
+    # error; dQ/dq from each method's own replicates), independently for the two methods. On top, a bias: a Poisson
+    # replicate's weights total N ~ Poisson(n), not n, so its means spread sqrt(E[n / N]) ~ 1 + 1/(2n) wider than
+    # scipy's multinomial ones, the endpoints z sd / (2n) farther out (at most 0.5 standard errors here). Measured:
+    # at most 2.6 standard errors (2.2 less the bias); an interval at ci = 0.90 would be 8.6 to 12.3 away.
+    z = scipy.stats.norm.ppf(0.5 + ci / 2)
+    bias = z * theirs.std(0) / (2 * n)
+    allowed = {}
+    for name, q, reference in (("boot_low", 0.5 - ci / 2, boot.confidence_interval.low),
+                               ("boot_high", 0.5 + ci / 2, boot.confidence_interval.high)):
+        error = math.sqrt(q * (1 - q) / replicates) * np.hypot(quantile_slope(ours, q), quantile_slope(theirs, q))
+        allowed[name] = K * error + bias
+        gap = np.abs(table[name].to_numpy() - reference)
+        assert (gap <= allowed[name]).all(), (name, (gap / np.maximum(error, 1e-300)).max())
+        # the power: the endpoint of a 90% interval (a wrong level) would be outside what is allowed
+        wrong = np.quantile(ours, 0.5 - 0.45 if q < 0.5 else 0.5 + 0.45, axis=0)
+        varies = error > 0  # the constant of a model without biases is 0 at every prompt
+        assert (np.abs(wrong - reference) > allowed[name])[varies].all(), name
     # the bootstrap interval is an interval of the mean: it covers it, about as wide as the t interval
     assert (table["boot_low"] <= table["mean"]).all() and (table["mean"] <= table["boot_high"]).all()
-    varies = table["std"] > 0  # the constant of a model without biases is 0 at every prompt
+    varies = table["std"] > 0
     width = ((table["boot_high"] - table["boot_low"]) / (table["ci_high"] - table["ci_low"]))[varies]
     assert len(width) > 10 and width.between(0.7, 1.3).all(), width.describe()
-    p_numpy = mc_signflip(x, replicates, np.random.default_rng(1))
-    p = table["p_signflip"].to_numpy()
-    p_error = np.sqrt(np.maximum(p_numpy * (1 - p_numpy), 1e-3) / replicates)
-    assert (np.abs(p - p_numpy) <= 5 * math.sqrt(2) * p_error + 1 / (replicates + 1)).all(), \
-        (np.abs(p - p_numpy) / p_error).max()
+    # The sign flip: scipy's one-sample "samples" permutation flips each row's sign (scipy/stats/_resampling.py,
+    # _calculate_null_samples: data becomes (x, -x), each pair swapped at random); with the signed mean as the
+    # statistic its two-sided p is 2 min(p_less, p_greater), each (1 + count) / (R + 1). The null is symmetric, so
+    # it estimates P(|T| >= |t|) as the package's (1 + #{|flip| >= |sum|}) / (R + 1) does. Error model: the
+    # package's a binomial share, sqrt(p (1 - p) / R); scipy's twice one of p / 2, sqrt(p (2 - p) / R);
+    # independent; and the two +1's differ by at most 1 / (R + 1). Measured: at most 1.4 standard errors; a
+    # one-sided p would be 12 to 49 away on the 10 components with 0.05 < p < 0.9.
+    perm = scipy.stats.permutation_test((x,), np.mean, permutation_type="samples", n_resamples=replicates, axis=0,
+                                        vectorized=True, batch=1000, rng=np.random.default_rng(1))
+    p, p_scipy = table["p_signflip"].to_numpy(), perm.pvalue
+    middle = (p + p_scipy) / 2
+    p_error = np.sqrt((middle * (1 - middle) + middle * (2 - middle)) / replicates)
+    p_allowed = K * p_error + 1 / (replicates + 1)
+    assert (np.abs(p - p_scipy) <= p_allowed).all(), (np.abs(p - p_scipy) / np.maximum(p_error, 1e-300)).max()
     assert ((p > 0) & (p <= 1)).all() and p.min() < 0.05 < p.max()  # some components matter, some do not
+    # the power: the one-sided p (1 + #{flip >= |sum|}) / (R + 1) would be outside what is allowed where 0.05 < p < 0.9
+    one_sided = (1 + (stats.flip.numpy() >= np.abs(x.sum(0))).sum(0)) / (replicates + 1)
+    moderate = (p_scipy > 0.05) & (p_scipy < 0.9)
+    assert moderate.sum() >= 3 and (np.abs(one_sided - p_scipy) > p_allowed)[moderate].all(), moderate.sum()
 
 
 def test_same_stats_in_any_batching_and_chunks():

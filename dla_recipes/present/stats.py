@@ -8,6 +8,11 @@ and spread (Chan's parallel moments, merged exactly across batches), the share o
 
     n, mean, std, sem, ci_low, ci_high (Student t), share_positive, boot_low, boot_high (percentile), p_signflip
 
+The t quantile is scipy's (``scipy.stats.t.ppf``). The bootstrap and sign-flip replicates are not scipy's
+resamplers (``scipy.stats.bootstrap``, ``permutation_test``): those need every sample on the client at once, while
+these are drawn per sample and summed in the trace (on the server remotely) and merged across chunks; the tests
+hold them to scipy's within the Monte-Carlo error.
+
 ``merge`` combines the statistics of two disjoint sets of samples (chunks of a dataset) exactly. ``Stats`` is the
 typed choice passed as ``reduce=`` (its replicates, its seed, paired prompts).
 """
@@ -63,56 +68,6 @@ def as_stats(reduce) -> Stats | None:
     if isinstance(reduce, Stats):
         return reduce
     return Stats() if isinstance(reduce, str) and reduce == "stats" else None
-
-
-def t_quantile(p: float, df: float) -> float:
-    """Student's t quantile (inverse CDF) at ``p`` with ``df`` degrees of freedom (bisection on the CDF)."""
-    if not df > 0:
-        return float("nan")
-    if p == 0.5:
-        return 0.0
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:
-        high *= 2.0
-    for _ in range(200):
-        middle = 0.5 * (low + high)
-        low, high = (middle, high) if t_cdf(middle, df) < p else (low, middle)
-        if high - low <= 1e-15 * high:
-            break
-    return 0.5 * (low + high)
-
-
-def t_cdf(t: float, df: float) -> float:
-    """Student's t CDF at ``t >= 0``: ``1 - I_x(df/2, 1/2) / 2``, ``x = df / (df + t^2)``."""
-    return 1.0 - 0.5 * beta_inc(0.5 * df, 0.5, df / (df + t * t))
-
-
-def beta_inc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function ``I_x(a, b)`` (continued fraction, modified Lentz)."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - beta_inc(b, a, 1.0 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(400):
-        m = i // 2
-        if i == 0:
-            num = 1.0
-        elif i % 2 == 0:
-            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(1.0 - c * d) < 1e-16:
-            break
-    return front * (f - 1.0)
 
 
 @dataclass(frozen=True)
@@ -196,13 +151,14 @@ class AttributionStats:
         percentile interval of the bootstrap replicates' means) and ``p_signflip`` (two-sided,
         ``(1 + #{|flip sum| >= |sum|}) / (R + 1)``)."""
         import pandas as pd
+        from scipy import stats as scipy_stats  # here, not at the top: ``import dla_recipes`` need not load scipy
 
         if not 0.0 < float(ci) < 1.0:
             raise InputError(f"ci={ci!r}: a confidence level between 0 and 1, e.g. 0.95")
         n = self.count
         std = (self.m2 / (n - 1)).sqrt() if n > 1 else torch.full_like(self.mean, float("nan"))
         sem = std / math.sqrt(n) if n > 0 else std
-        t = t_quantile(0.5 + 0.5 * float(ci), n - 1)
+        t = float(scipy_stats.t.ppf(0.5 + 0.5 * float(ci), n - 1))  # NaN for n <= 1 (no degrees of freedom)
         means = self.boot / self.weight.unsqueeze(-1)  # [R, C]
         low_q, high_q = 0.5 - 0.5 * float(ci), 0.5 + 0.5 * float(ci)
         boot = torch.quantile(means, torch.tensor([low_q, high_q], dtype=torch.float64), dim=0)
