@@ -42,7 +42,7 @@ class Counted:
     say "no per-neuron object" without timing anything."""
 
     def __init__(self, monkeypatch):
-        import dla_recipes.components as components
+        from dla_recipes import components
 
         self.records = self.labels = self.iterated = 0
         new, label, runs = components.Component.__new__, components.Component.label.fget, components.Run.components
