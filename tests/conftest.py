@@ -211,14 +211,17 @@ GROUPS_ENV = "DLA_WORKER_GROUPS"  # the folder where each worker writes its item
 def worker_group(item) -> str | None:
     """The worker group of ``item`` (a group runs on one worker), or None (any worker): the docs modules are one
     group; a test that uses a module-scoped fixture (a real model, a loopback server, a built site) runs with the
-    other tests of its module that do, so the fixture is built once."""
+    other tests of its module that do, so the fixture is built once; a test parametrized by a tiny ``family`` runs
+    with every other test of that family, in any module, so each tiny model (and its eager twin, its plain
+    forwards) is loaded by one worker only."""
     module = item.path.stem
     if module in DOCS_GROUP:
         return "docs"
     definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     if any(d.scope in ("module", "package", "session") and d.baseid for defs in definitions.values() for d in defs):
         return module
-    return None
+    family = getattr(getattr(item, "callspec", None), "params", {}).get("family")
+    return f"family {family}" if isinstance(family, str) else None
 
 
 def cover(families, options, per_family: int = 2) -> list[tuple[str, object]]:
@@ -265,6 +268,8 @@ def pytest_xdist_make_scheduler(config, log):
     import json
 
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the collection's order: the docs group (the longest) first
 
     class ByGroup(LoadScopeScheduling):
         groups: dict | None = None

@@ -19,38 +19,42 @@ from dla_recipes.testing import tiny
 GRANULARITY = {"heads": "head", "neurons": "neuron", "experts": "expert"}
 
 
-def _splits(family: str) -> list[str]:
+def _splits(model) -> list[str]:
     """The granularities at which this family's tiny model has something to split."""
-    plan = dla_recipes.plan.build_plan(tiny_model(family))
+    plan = dla_recipes.plan.build_plan(model)
     splits = {word for terms in plan.layers for planned in terms for word, splits in (
         ("heads", planned.term.splits_heads), ("neurons", planned.term.splits_neurons),
         ("experts", planned.term.splits_experts)) if splits}
     return sorted({GRANULARITY[s] for s in splits} | ({"neuron"} if "experts" in splits else set()))
 
 
-# _splits loads each model, at collection: with DLA_FAST set, only the families the fast loop runs (conftest.py)
-CASES = [(family, by) for family in fast_sweep(tiny.FAMILIES) for by in _splits(family)]
+# mixers without heads (RWKV-4 time mixing, Mamba / Mamba-2 / xLSTM mixers; Zamba's shared attention feeds the
+# mixer, it writes nothing itself): one mixer term per block, by design; every other family splits its heads
+NO_HEADS = ("falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm", "zamba", "zamba2")
 
 
-@pytest.mark.parametrize("family,by", CASES)
-def test_parts_plus_rest_equal_the_block_term(family, by):
+@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
+def test_parts_plus_rest_equal_the_block_term(family):
+    """At every granularity the family's tiny model splits (heads, neurons, experts; the model is loaded by the
+    test, not at collection): the parts plus each block's rest equal the block term. No family with attention
+    heads is left at block level (a skipped family is not a done family)."""
     model = tiny_model(family)
-    split = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+    splits = _splits(model)
+    assert ("head" in splits) == (family not in NO_HEADS), (family, splits)
     block = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block")
-    assert len(split.labels) > len(block.labels), f"{family}: nothing was split at by={by!r}"
-    summed = split.blocks()
-    assert summed.labels == block.labels
     bound = tolerance(block.logit)[:, None]
-    assert bool(((summed.values - block.values).abs() <= bound).all()), (summed.values - block.values).abs().max()
+    for by in splits:
+        split = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by=by)
+        assert len(split.labels) > len(block.labels), f"{family}: nothing was split at by={by!r}"
+        summed = split.blocks()
+        assert summed.labels == block.labels, (family, by)
+        gap = (summed.values - block.values).abs()
+        assert bool((gap <= bound).all()), (family, by, float(gap.max()))
 
 
-@pytest.mark.slow  # loads every tiny model (already loaded for CASES unless DLA_FAST is set)
-def test_every_family_with_heads_is_split():
-    """No family with attention heads is left at block level (a skipped family is not a done family)."""
-    unsplit = [f for f in tiny.FAMILIES if "head" not in _splits(f)]
-    # mixers without heads (RWKV-4 time mixing, Mamba / Mamba-2 / xLSTM mixers; Zamba's shared attention feeds the
-    # mixer, it writes nothing itself): one mixer term per block, by design
-    assert sorted(unsplit) == ["falcon_mamba", "mamba", "mamba2", "rwkv", "xlstm", "zamba", "zamba2"], unsplit
+def test_the_families_without_heads_are_families():
+    """``NO_HEADS`` names tiny families (the sweep above checks each family's heads against it)."""
+    assert set(NO_HEADS) <= set(tiny.FAMILIES), sorted(set(NO_HEADS) - set(tiny.FAMILIES))
 
 
 def test_post_norm_heads_sum_to_what_the_block_adds_not_the_pre_norm_output():
