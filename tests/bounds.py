@@ -19,11 +19,18 @@ These are worst cases, typically 10-100x the errors a machine shows (rounding er
 gap comes near its bound is a finding, not noise. Where the worst case exceeds what a test promises (the float32
 promise ``1e-4 * max(1, |logit|)``: a logit is a ``d_model``-term dot, and ``gamma_576`` times its terms is
 already above it on SmolLM2-135M), the promise is the bound and the comment says so.
+
+One model is not a worst case: ``random_bound``, for many elementwise roundings carried along a direction (a
+bfloat16 residual stream's adds, a stored norm output read by the unembedding), where the worst case exceeds the
+logit itself. Each rounding is independent with mean zero (the self-check's model, ``dla_recipes.selfcheck``), so
+their sum is within ``SIGMAS`` of its scale; elementwise roundings have no order to depend on a machine.
 """
 
 from __future__ import annotations
 
 import torch
+
+SIGMAS = 4.0  # random_bound's allowance, in units of the scale of a sum of independent roundings (the self-check's)
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
@@ -45,14 +52,14 @@ def sum_bound(terms: torch.Tensor, dtype: torch.dtype = torch.float32, dim: int 
     ``gamma_n * sum |terms|`` (``n`` defaults to the terms' count; pass more where the sum had more roundings,
     such as terms that were themselves rounded). Returns that bound, in float64, with ``dim`` summed away."""
     count = terms.shape[dim] if n is None else n
-    return gamma(count, dtype) * terms.double().abs().sum(dim)
+    return gamma(count, dtype) * terms.detach().double().abs().sum(dim)
 
 
 def dot_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float32, dim: int = -1):
     """Model: a dot product ``a . b`` along ``dim`` (``n`` products, each rounded, summed in any order, as in a
     matmul ``stream @ W_U``) in ``dtype``: its error is at most ``gamma_n * sum |a_i b_i|``. Broadcasts ``a`` and
     ``b``; returns the bound in float64, with ``dim`` summed away."""
-    products = a.double() * b.double()
+    products = a.detach().double() * b.detach().double()
     return gamma(products.shape[dim], dtype) * products.abs().sum(dim)
 
 
@@ -74,6 +81,14 @@ def rounded_bound(value, magnitude, n: int, dtype: torch.dtype = torch.float32, 
     return gamma(n, dtype) * magnitude + half_ulp(value, out_dtype or dtype)
 
 
+def random_bound(terms: torch.Tensor, dtype: torch.dtype, sigmas: float = SIGMAS) -> float:
+    """Model: each of ``terms`` (every entry: a value rounded once in ``dtype``, times the weight it is read with) is
+    off by an independent, mean-zero error of at most ``u`` of itself; their sum is then off by at most ``sigmas *
+    u * sqrt(sum terms^2)`` except with probability ``2 exp(-sigmas^2 / 2)`` (Hoeffding; 7e-4 at 4, far less for
+    real roundings, whose spread is under ``u / sqrt(3)``)."""
+    return sigmas * unit_roundoff(dtype) * float(terms.detach().double().pow(2).sum().sqrt())
+
+
 def read_rounding(d: int, adds: int, dtype: torch.dtype = torch.float32) -> float:
     """Model, relative to ``sum_j |v_j y_j|``: a residual stream of ``d`` channels rounded by ``adds`` adds (each at
     most ``u`` at the stream's own size), normed (a mean of ``d`` squares and a root, ``gamma_{d+1} / 2 + 2u`` of
@@ -93,8 +108,8 @@ def absolute_product(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (a 262k-row unembedding is 0.7 GB), then divided by ``1 - gamma_d`` (a float32 sum of positive terms is at least
     ``1 - gamma_d`` of the exact one), so it stays an upper bound of the exact sums."""
     if id(weight) not in _ABSOLUTE:
-        _ABSOLUTE[id(weight)] = (weight, weight.float().abs())
-    product = y.float().abs() @ _ABSOLUTE[id(weight)][1].T
+        _ABSOLUTE[id(weight)] = (weight, weight.detach().float().abs())
+    product = y.detach().float().abs() @ _ABSOLUTE[id(weight)][1].T
     return product.double() / (1 - gamma(y.shape[-1]))
 
 
