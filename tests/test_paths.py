@@ -16,6 +16,7 @@ import contextlib
 import pytest
 import torch
 from conftest import CONTRAST, PROMPTS, TARGET, assert_parts_are_the_models, eager_model, source_cases
+from test_positions import attribution_bound, batch_ratio, difference
 
 import dla_recipes
 from dla_recipes import DLAError, InputError
@@ -29,13 +30,10 @@ REFERENCE = ["llama", "qwen2", "gemma"]
 # Refused with a reason (plan.sources.check_upstream): a per-block scale (gemma4's layer_scalar), a gate on the
 # stream (doge), a write read inside the attention module before its pattern (bloom).
 REFUSED = ["gemma4_moe", "gemma4_moe_ple", "doge", "bloom"]
-# Measured (this file's first runs), in units of max(1, the largest part): the hooked reference agrees to <= 4.1e-8
-# on the tiny families (llama, qwen2, gemma, upstream block and head; parts up to 0.05) and 5.1e-7 on SmolLM2 (parts
-# up to 0.76); the path
-# parts sum to the by="source" part to <= 6.7e-8 over every supported tiny family (olmo_hybrid); a padded batch
-# against each prompt alone 3.7e-8; sdpa against eager 6.7e-8 (gemma3). Each allowed ~2x.
-SAME = 1.5e-7
-REAL = 1e-6
+# Every comparison of parts below (the hooked reference, the paths against the sources, upstream heads against their
+# blocks, a padded batch against each prompt alone, sdpa against eager): within both computations' rounding of the
+# row's logit, the parts being terms of the stream it reads (test_positions.batch_bound, bounds.py's model).
+# Measured before, of max(1, the largest part): 4.1e-8 to 6.7e-8 on the tiny families, 5.1e-7 on SmolLM2.
 
 
 def rms_scale(norm, x: torch.Tensor) -> torch.Tensor:
@@ -123,25 +121,27 @@ def test_paths_match_an_ablation_on_the_plain_forward(family, upstream):
     attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source",
                                  sources={"upstream": upstream})
     assert_parts_are_the_models(model, attr, PROMPTS, f"{family} by=source upstream={upstream}")
+    limit = attribution_bound(model, attr, difference(model))  # both forwards' rounding (batch_bound)
     worst, largest = 0.0, 0.0
     for b, prompt in enumerate(PROMPTS):
         reference = reference_paths(model, prompt, by_head=upstream == "head")
         gap, size = largest_gap(attr, *reference, b, len(model.layers) - 1)
-        worst, largest = max(worst, gap), max(largest, size)
+        worst, largest = max(worst, gap / float(limit[b])), max(largest, size)
     assert largest > 1e-3  # the reference is not trivially zero
-    assert worst <= SAME * max(1.0, largest), f"{family}: {worst:.3g}"
+    assert worst <= 1, f"{family}: {worst:.3g} bounds"
     if family == "qwen2":  # a value bias: the rest is not zero
         assert float(attr.values[:, [j for j, c in enumerate(attr.components)
                                      if c.source is not None and c.upstream is None]].abs().max()) > 1e-4
 
 
-def same_as_source(model, attr, source, what: str, same: float = SAME) -> None:
-    """The path parts sum to the same call's ``L.H.S`` parts without upstream, and the heads to its heads."""
+def same_as_source(model, attr, source, what: str, reference=None) -> None:
+    """The path parts sum to the same call's ``L.H.S`` parts without upstream, and the heads to its heads: within
+    both computations' rounding of each row's logit (``reference``, default TARGET - CONTRAST; batch_bound)."""
     assert attr.heads().labels == source.heads().labels, what
+    limit = attribution_bound(model, source, reference or difference(model))
     grid, plain = attr.sources().nan_to_num(), source.sources().nan_to_num()
-    scale = max(1.0, float(plain.abs().max()))
-    assert float((grid - plain).abs().max()) <= same * scale, (what, float((grid - plain).abs().max()))
-    assert float((attr.heads().values - source.heads().values).abs().max()) <= same * scale, what
+    assert batch_ratio(grid, plain, limit) <= 1, (what, batch_ratio(grid, plain, limit))
+    assert batch_ratio(attr.heads().values, source.heads().values, limit) <= 1, what
 
 
 SUPPORTED = [f for f in tiny.FAMILIES if f not in REFUSED]
@@ -184,7 +184,8 @@ def test_upstream_heads_sum_to_upstream_blocks(family):
             up = up.split(".H")[0] + ".attn"
         owner.append(index[c._replace(upstream=up).label])
     summed = torch.zeros_like(blocks.values).index_add_(1, torch.tensor(owner), heads.values)
-    assert float((summed - blocks.values).abs().max()) <= SAME * max(1.0, float(blocks.values.abs().max()))
+    # the heads' float32 pull-backs and their sum, within both computations' rounding of the logit (batch_bound)
+    assert batch_ratio(summed, blocks.values, attribution_bound(model, blocks, difference(model))) <= 1
     assert any("<-L0.H1" in label for label in heads.labels)
 
 
@@ -226,7 +227,8 @@ def test_padded_batch_equals_each_prompt_alone():
     for b, prompt in enumerate(PROMPTS):
         alone = dla_recipes.attribute(model, prompt, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
         index = [batch.labels.index(label) for label in alone.labels]
-        assert torch.allclose(batch.values[b, index], alone.values[0], atol=SAME, rtol=0)
+        limit = attribution_bound(model, alone, difference(model))  # both batchings' rounding (batch_bound)
+        assert batch_ratio(batch.values[b, index][None], alone.values, limit) <= 1
         rest = sorted(set(range(len(batch.labels))) - set(index))
         assert bool((batch.values[b, rest] == 0).all())  # sources this prompt does not have
 
@@ -243,7 +245,7 @@ def test_several_positions_sdpa_and_eager(family):
     ours = dla_recipes.attribute(sdpa, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
     theirs = dla_recipes.attribute(eager, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=UPSTREAM)
     assert ours.labels == theirs.labels
-    assert torch.allclose(ours.values, theirs.values, atol=SAME, rtol=0)
+    assert batch_ratio(ours.values, theirs.values, attribution_bound(eager, theirs, difference(eager))) <= 1
 
 
 def test_intervene():
@@ -305,19 +307,21 @@ def test_real_smollm2():
     options = {"upstream": "block", "layers": [-1]}
     attr = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source", sources=options)
     source = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source", sources={"layers": [-1]})
-    same_as_source(model, attr, source, "smollm2", REAL)
     ids = tuple(model.tokenizer(t)["input_ids"][0] for t in (" Paris", " Rome"))
+    paris_rome = lambda b, p, z: z[p, ids[0]] - z[p, ids[1]]
+    same_as_source(model, attr, source, "smollm2", paris_rome)
     encoded = model.tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
         logits = model._module(**encoded).logits[0, -1].float()
     own = float(logits[ids[0]] - logits[ids[1]])
     assert abs(float(attr.values.sum() + attr.constant[0]) - own) <= 1e-4 * max(1.0, abs(own))
+    limit = float(attribution_bound(model, source, paris_rome)[0])  # both forwards' rounding (batch_bound)
     gap, size = largest_gap(attr, *reference_paths(model, prompt, ids), 0, len(model.layers) - 1)
-    assert size > 1e-3 and gap <= REAL * max(1.0, size), gap
+    assert size > 1e-3 and gap <= limit, gap
     heads = dla_recipes.attribute(model, prompt, " Paris", contrast=" Rome", by="source",
                                   sources={"upstream": "head", "layers": [-1]})
     gap, size = largest_gap(heads, *reference_paths(model, prompt, ids, by_head=True), 0, len(model.layers) - 1)
-    assert size > 1e-3 and gap <= REAL * max(1.0, size), gap
+    assert size > 1e-3 and gap <= limit, gap
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -119,12 +119,19 @@ def batch_bound(model, prompts, reference, positions) -> torch.Tensor:
     """``[len(prompts)]``: what a site's values, constant and logit may move by between two batchings of its prompt
     (prompt ``b`` at its own position ``positions[b]``). Model: each batching rounds the site's logit as a forward
     does (``linear_rounding``), and each part is one of the terms of the stream that logit reads: twice that."""
-    limits = []
+    limits, seen = [], {}
     for b, prompt in enumerate(prompts):
-        z = own_logits(model, prompt)
-        rounding = bounds.logit_rounding(model, ids_of(model, prompt))
+        key = tuple(ids_of(model, prompt))
+        if key not in seen:
+            seen[key] = (own_logits(model, prompt), bounds.logit_rounding(model, key))
+        z, rounding = seen[key]
         limits.append(2 * linear_rounding(reference, b, positions[b], z, rounding))
     return torch.tensor(limits, dtype=torch.float64)
+
+
+def attribution_bound(model, attr, reference) -> torch.Tensor:
+    """``[rows]``: ``batch_bound`` at each row of ``attr`` (its prompt, at its own position)."""
+    return batch_bound(model, list(attr.prompts), reference, [int(p) for p in attr.positions])
 
 
 def batch_ratio(ours, theirs, limit: torch.Tensor) -> float:
