@@ -107,8 +107,8 @@ def test_ablated_head_against_hooked_forward(family):
 
 
 def test_ablated_head_bf16():
-    """bf16, as NDIF serves: the logit is the hooked bf16 forward's, and the parts sum to it within what bf16's
-    rounding was measured to cost."""
+    """bf16, as NDIF serves: the logit is the hooked bf16 forward's, and the parts sum to it, within two bf16
+    forwards' rounding."""
     from dla_recipes.testing import tiny
 
     model = dla_recipes.load(tiny.build("llama").to(torch.bfloat16), tokenizer=tiny.tokenizer())

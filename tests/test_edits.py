@@ -148,7 +148,7 @@ def _steer_hook(vec):
 # so the parts are within that one forward's bf16 rounding of its logit (_sum_bound: 0.27-0.37 here, as the
 # self-check's; measured 0.035-0.075 on an AVX-512 CPU, mostly each bf16 logit's half ulp, 0.0625 for Gemma-3's).
 # A fixed slack on top of the logits' rounding (0.07, then 0.03) missed: the stream's rounding is ~0.04 at one
-# standard deviation. The .edit column: _edit_bound (measured: off the first-principles share by <= 0.0005, shares
+# standard deviation. The .edit column: _write_bound (measured: off the first-principles share by <= 0.0005, shares
 # 0.18-0.29, and 0.0031, shares 3.7-4.4).
 
 
