@@ -450,10 +450,20 @@ def assert_parts_are_the_models(model, attr, prompts=PROMPTS, what: str = "") ->
 def own_gap(model, attr, prompts=PROMPTS) -> float:
     """``max |values.sum(-1) + constant - own| / max(1, |own|)`` over the prompts, ``own`` the model's own pre-cap
     logit difference (``plain_differences``: a plain forward of each prompt alone, in the model's dtype): how far the
-    parts' sum is from the model's output, for the low-precision tests' measured tolerances."""
+    parts' sum is from the model's output, relative to the logit (``own_ratio`` holds it to a bound)."""
     own = torch.tensor(plain_differences(model, prompts), dtype=torch.float64)
     total = attr.values.double().sum(-1) + attr.constant.double()
     return float(((total - own).abs() / torch.clamp(own.abs(), min=1.0)).max())
+
+
+def own_ratio(model, attr, prompts=PROMPTS) -> float:
+    """``max |values.sum(-1) + constant - own| / (2 * diagnostics["bound"])`` over the prompts (``own`` as in
+    ``own_gap``): 1 at the bound. Model: two forwards (the attribution's padded batch, each prompt alone), each within
+    the self-check's bound of its own rounding (``dla_recipes.selfcheck``: each logit's half ulp, the final norm's
+    output and every add of the stream as independent roundings in the model's dtype, plus the float32 floor)."""
+    own = torch.tensor(plain_differences(model, prompts), dtype=torch.float64)
+    total = attr.values.double().sum(-1) + attr.constant.double()
+    return float(((total - own).abs() / (2 * attr.diagnostics["bound"].double())).max())
 
 
 # The most the self-check's bound (diagnostics["bound"] / max(1, |logit|)) may be, per dtype: about 2x the largest

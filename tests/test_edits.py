@@ -9,8 +9,7 @@ written in the test). An edit the package does not know of (a torch hook on the 
 bfloat16 too, naming the term, not pass under the stream's looser bound.
 """
 
-import math
-
+import bounds
 import pytest
 import torch
 
@@ -59,25 +58,67 @@ def _plain(model, prompt: str, hooks=()):
     return logits, seen["x"][0, -1].float()
 
 
-def _sum_tolerance(logits: torch.Tensor, target: int, contrast: int) -> float:
-    """How far the parts may sum from the plain bf16 forward's logit difference: each bf16 logit's own rounding
-    (``2^-8 * 2^floor(log2 |z|)``) plus ``STREAM_SLACK``."""
-    own = sum(2.0 ** -8 * 2.0 ** math.floor(math.log2(abs(float(logits[i])))) for i in (target, contrast)
-              if float(logits[i]) != 0.0)
-    return own + STREAM_SLACK
+def _writes(model):
+    """Each block's two modules whose outputs are what it adds to the stream, in order (Gemma: the post-norms)."""
+    for layer in _decoder(model).layers:
+        post = getattr(layer, "post_attention_layernorm", None) if hasattr(layer, "pre_feedforward_layernorm") else None
+        yield (post, layer.post_feedforward_layernorm) if post is not None else (layer.self_attn, layer.mlp)
+
+
+def _sum_bound(model, prompt: str, target: int, contrast: int, hooks=()) -> float:
+    """How far the parts may sum from the model's own bfloat16 ``logit(target) - logit(contrast)``, one forward's
+    rounding (bounds.py's models, read from a plain forward of ``prompt`` with ``hooks``): each logit stored (half
+    its ulp) after a float32 dot (``gamma_d``); the final norm's output stored in bf16 and read along ``W_U[t] -
+    W_U[c]``, and every add of the stream (its result, each channel) read along the frozen norm's direction ``c``:
+    independent roundings (``bounds.random_bound``; the worst case is past the logit itself); the recipe's float32
+    dots of each write with ``c`` (``gamma_d`` of ``sum |c| |write|``)."""
+    writes, results = [], []
+    seen = {}
+
+    def keep(module, args, output):
+        writes.append((output[0] if isinstance(output, tuple) else output)[0, -1].float())
+
+    handles = [module.register_forward_hook(fn) for module, fn in hooks]
+    handles += [module.register_forward_hook(keep) for pair in _writes(model) for module in pair]
+    norm = _decoder(model).norm
+    handles.append(norm.register_forward_hook(lambda m, i, o: seen.update(x=i[0][0, -1].float(), y=o[0, -1].float())))
+    try:
+        ids = model.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model._module(**ids, output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    stream = out.hidden_states[0][0, -1].float()
+    for write in writes:  # the stream after each add, as the model rounded it
+        stream = (stream.to(torch.bfloat16) + write.to(torch.bfloat16)).float()
+        results.append(stream)
+    logits = out.logits[0, -1].float()
+    rows = model._module.lm_head.weight.detach().float()
+    c = _direction(model, seen["x"], target, contrast)
+    stored = sum(bounds.half_ulp(float(logits[i]), torch.bfloat16) for i in (target, contrast))
+    heads = sum(float(bounds.dot_bound(seen["y"], rows[i])) for i in (target, contrast))
+    rounded = bounds.random_bound(seen["y"] * (rows[target] - rows[contrast]), torch.bfloat16)
+    rounded += bounds.random_bound(torch.stack(results) * c, torch.bfloat16)
+    ours = float(bounds.dot_bound(c, torch.stack([out.hidden_states[0][0, -1].float(), *writes]).abs().sum(0)))
+    return stored + heads + rounded + ours
+
+
+def _direction(model, stream: torch.Tensor, target: int, contrast: int) -> torch.Tensor:
+    """``[d_model]``: ``logit(target) - logit(contrast)`` as a function of what is added to the stream, through the
+    final RMSNorm frozen at the real ``stream`` (gain ``w`` on Llama, ``1 + w`` on Gemma): ``s * gain * (W_U[t] -
+    W_U[c])``, from first principles."""
+    norm = _decoder(model).norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    weight = norm.weight.detach().float()
+    gain = 1 + weight if "Gemma" in type(norm).__name__ else weight
+    rows = model._module.lm_head.weight.detach().float()
+    return torch.rsqrt((stream * stream).mean() + eps) * gain * (rows[target] - rows[contrast])
 
 
 def _direct_share(model, vector: torch.Tensor, stream: torch.Tensor, target: int, contrast: int) -> float:
-    """What ``vector`` added to the stream contributes to ``logit(target) - logit(contrast)`` through the final
-    RMSNorm frozen at the real ``stream`` (gain ``w`` on Llama, ``1 + w`` on Gemma), from first principles."""
-    norm = _decoder(model).norm
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    weight = norm.weight.float()
-    gain = 1 + weight if "Gemma" in type(norm).__name__ else weight
-    scale = torch.rsqrt((stream * stream).mean() + eps)
-    rows = model._module.lm_head.weight.float()
-    logit_scale = 1.0
-    return float(logit_scale * scale * (vector.float() * gain * (rows[target] - rows[contrast])).sum())
+    """What ``vector`` added to the stream contributes to ``logit(target) - logit(contrast)`` (``_direction``)."""
+    return float((vector.detach().float() * _direction(model, stream, target, contrast)).sum())
 
 
 def _vector(model, target: int, contrast: int, seed: int) -> torch.Tensor:
@@ -103,15 +144,49 @@ def _steer_hook(vec):
     return hook
 
 
-# Measured (bf16 on the CPU, this prompt, steering vectors of seeds 1, 3, 4 at layer 12, by neuron / head / block;
-# the patch of layer 10's attention): |sum - plain edited logit| 0.037-0.054 on SmolLM2 (logits 13.7 and 10.9) and
-# 0.035-0.075 on Gemma-3 (logits 23.4 and 18.6) on an AVX-512 CPU, the same to 1e-6 whatever ``by``: the model's own
-# rounding, not the split's. Most of it is the reference's: a bf16 logit is rounded by up to half its ulp,
-# u * b(z) (u = 2^-8, b(z) = 2^floor(log2 |z|)), 0.0625 for each of Gemma-3's logits. The bound: both logits'
-# rounding plus STREAM_SLACK for the residual stream's (the self-check's own bounds are 0.28-0.37).
-# The .edit column off the first-principles share by <= 0.0005 (shares 0.18-0.29) and 0.0031 (shares 3.7-4.4).
-STREAM_SLACK = 0.03
-EDIT_TOLERANCE = {"llama": 0.001, "gemma3": 0.0065}
+# The sum: the trace runs the edited forward the torch hook runs (its own logit equals the plain one's, bit for bit),
+# so the parts are within that one forward's bf16 rounding of its logit (_sum_bound: 0.27-0.37 here, as the
+# self-check's; measured 0.035-0.075 on an AVX-512 CPU, mostly each bf16 logit's half ulp, 0.0625 for Gemma-3's).
+# A fixed slack on top of the logits' rounding (0.07, then 0.03) missed: the stream's rounding is ~0.04 at one
+# standard deviation. The .edit column: _write_bound (measured: off the first-principles share by <= 0.0005, shares
+# 0.18-0.29, and 0.0031, shares 3.7-4.4).
+
+
+def _write_bound(model, prompt: str, layer: int, sublayer: str, c: torch.Tensor, hooks) -> tuple[float, float]:
+    """``(bf16, float32)``: how far block ``layer``'s ``sublayer`` (``"mlp"`` or ``"attn"``) write, read along ``c``,
+    may be from its parts plus an edit's own share, one forward's rounding. Model: bf16, the projection's output
+    and the sublayer's output (an edit added to it) each stored once (Gemma: carried through the post-norm frozen at
+    its input, whose output is stored too), independent roundings (``bounds.random_bound``); float32, the parts'
+    dots (``gamma`` of ``|c| |W| |input|`` through the projection, its ``d_model + width`` terms) and two reads of
+    the write (``bounds.dot_bound``)."""
+    block = _decoder(model).layers[layer]
+    module = block.mlp if sublayer == "mlp" else block.self_attn
+    projection = module.down_proj if sublayer == "mlp" else module.o_proj
+    sandwich = hasattr(block, "pre_feedforward_layernorm")  # Gemma: a post-norm after each sublayer
+    post = None
+    if sandwich:
+        post = block.post_feedforward_layernorm if sublayer == "mlp" else block.post_attention_layernorm
+    seen = {}
+
+    def first(output):
+        return (output[0] if isinstance(output, tuple) else output)[0, -1].float()
+
+    keep = [(projection, lambda m, i, o: seen.update(input=i[0][0, -1].float(), out=first(o))),
+            (module, lambda m, i, o: seen.update(write=first(o)))]
+    if post is not None:
+        keep.append((post, lambda m, i, o: seen.update(x=i[0][0, -1].float(), post=first(o))))
+    _plain(model, prompt, [*hooks, *keep])
+    frozen = torch.ones_like(c)
+    if post is not None:
+        x = seen["x"]
+        frozen = (1 + post.weight.detach().float()) * torch.rsqrt((x * x).mean() + post.eps)
+    carried = frozen * c
+    stored = [seen["out"] * carried, seen["write"] * carried] + ([seen["post"] * c] if post is not None else [])
+    written = seen["post"] if post is not None else seen["write"]
+    weight = projection.weight.detach().float()  # [d_model, width]
+    parts = bounds.gamma(sum(weight.shape)) * float(carried.abs() @ weight.abs() @ seen["input"].abs())
+    return (bounds.random_bound(torch.stack(stored), torch.bfloat16),
+            parts + 2 * float(bounds.dot_bound(c, written)))
 
 
 @pytest.mark.real
@@ -120,14 +195,16 @@ def test_steering_mlp_output_is_attributed_as_its_edit(bf16_model, by):
     """The issue's call: ``mm.layers[12].mlp.output[:, -1] += vec`` in bf16. The parts sum to the edited model's
     own logit (a plain forward with the same edit as a torch hook), and by neuron the steering vector's share is
     in ``L12.mlp.edit`` (it was reported nowhere: ``L12.mlp`` 0.0 where the vector wrote -0.043)."""
-    model, family = bf16_model, dla_recipes.families.family_of(bf16_model).name
+    model = bf16_model
     target, contrast = _ids(model, [" Paris", " Rome"])
     vec = _vector(model, target, contrast, seed=1)
     attr = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by=by, intervene=_steer(12, vec))
-    logits, stream = _plain(model, EIFFEL, [(_decoder(model).layers[12].mlp, _steer_hook(vec))])
+    steer = [(_decoder(model).layers[12].mlp, _steer_hook(vec))]
+    logits, stream = _plain(model, EIFFEL, steer)
     expected = float(logits[target] - logits[contrast])
+    assert float(attr.logit[0]) == expected  # the same edited forward: the same computation on the same input
     total = float(attr.values.sum() + attr.constant.sum())
-    assert abs(total - expected) <= _sum_tolerance(logits, target, contrast), (total, expected)
+    assert abs(total - expected) <= _sum_bound(model, EIFFEL, target, contrast, steer), (total, expected)
     if by == "block":
         assert not any(label.endswith(".edit") for label in attr.labels)
     elif by == "head":  # the MLP is whole by head: no edit column of its own, the attention has one
@@ -143,8 +220,9 @@ def test_steering_mlp_output_is_attributed_as_its_edit(bf16_model, by):
             x = seen["x"]
             written = (1 + post.weight.float()) * written * torch.rsqrt((x * x).mean() + post.eps)
         share = _direct_share(model, written, stream, target, contrast)
-        assert abs(edit - share) <= EDIT_TOLERANCE[family], (edit, share)
-        assert abs(share) > 5 * EDIT_TOLERANCE[family]  # the test measures something
+        limit = sum(_write_bound(model, EIFFEL, 12, "mlp", _direction(model, stream, target, contrast), steer))
+        assert abs(edit - share) <= limit, (edit, share)  # one forward's rounding of the write (_write_bound)
+        assert abs(share) > 5 * limit  # the test measures something
 
 
 @pytest.mark.real
@@ -171,20 +249,28 @@ def test_a_patched_attention_output_reports_what_the_attention_wrote(bf16_model)
 
     heads = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="head", intervene=patch)
     block = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="block", intervene=patch)
-    logits, _ = _plain(model, EIFFEL, [(attn, patch_hook)])
+    logits, stream = _plain(model, EIFFEL, [(attn, patch_hook)])
     expected = float(logits[target] - logits[contrast])
+    assert float(heads.logit[0]) == expected  # the same edited forward: the same computation on the same input
     total = float(heads.values.sum() + heads.constant.sum())
-    assert abs(total - expected) <= _sum_tolerance(logits, target, contrast), (total, expected)
+    assert abs(total - expected) <= _sum_bound(model, EIFFEL, target, contrast, [(attn, patch_hook)]), (total, expected)
     layer10 = [j for j, c in enumerate(heads.components) if c.layer == 10 and c.term == "attn"]
     wrote = float(block.values[0, block.labels.index("L10.attn")])
-    assert float(heads.values[0, layer10].sum()) == pytest.approx(wrote, abs=1e-4 * max(1.0, abs(wrote)))
+    # the same bf16 tensors read two ways: the float32 dots' rounding (_write_bound) and the sum of the parts
+    _, float32 = _write_bound(model, EIFFEL, 10, "attn", _direction(model, stream, target, contrast),
+                              [(attn, patch_hook)])
+    limit = float32 + float(bounds.sum_bound(heads.values[0, layer10]))
+    assert abs(float(heads.values[0, layer10].sum()) - wrote) <= limit
     clean = dla_recipes.attribute(model, EIFFEL, " Paris", contrast=" Rome", by="head")
     clean_heads = sum(float(clean.values[0, j]) for j, c in enumerate(clean.components)
                       if c.layer == 10 and c.part == "head")
     patched_heads = sum(float(heads.values[0, j]) for j in layer10 if heads.components[j].part == "head")
     if family == "llama":  # no post-norm: the heads read o_proj's (clean) input, through the patched final scale
         rescaled = clean_heads * float(heads.diagnostics["scale"][0] / clean.diagnostics["scale"][0])
-        assert patched_heads == pytest.approx(rescaled, rel=1e-5)
+        # each head's part is one float32 product by its run's scale, the scales' ratio one more: 4u a head
+        limit = 4 * bounds.unit_roundoff() * sum(abs(float(heads.values[0, j])) for j in layer10
+                                                 if heads.components[j].part == "head")
+        assert abs(patched_heads - rescaled) <= limit
     assert abs(float(heads.values[0, heads.labels.index("L10.attn.edit")])) > 0.01  # the patch is in the edit
 
 
@@ -217,7 +303,11 @@ def test_the_frozen_scale_is_the_models_float32_scale(bf16_model):
     norm = _decoder(model).norm
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     expected = float(torch.rsqrt((stream * stream).mean() + eps))
-    assert float(attr.diagnostics["scale"][0]) == pytest.approx(expected, rel=1e-6)
+    # both float32 computations of it: a mean of d squares (gamma_{d+1}), the eps add and the root (2u), halved by
+    # the root: relative (gamma_{d+1} + u) / 2 + 2u each; a fit to the bf16 output was off by 3.6e-4
+    relative = (bounds.gamma(stream.shape[-1] + 1) + bounds.unit_roundoff()) / 2 + 2 * bounds.unit_roundoff()
+    limit = 2 * relative * abs(expected)
+    assert abs(float(attr.diagnostics["scale"][0]) - expected) <= limit
 
 
 @pytest.mark.real

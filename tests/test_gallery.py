@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bounds
 import pytest
 from conftest import notebook_runner
 
@@ -225,6 +226,11 @@ def test_every_position_recipe_matches_a_plain_forward_on_real_models(name, monk
     plain = logits[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]  # [n_tokens - 1]
     assert attr.values.shape[:2] == (1, len(ids) - 1) and bool(attr.mask.all())
     gap = (attr.values[0].sum(-1) + attr.constant[0] - plain).abs()
-    # measured (float32; SmolLM2 logits 8..37): max gap 1.1e-05 on both models (1.14e-05); ~2x that
-    assert float(gap.max()) <= 2.5e-5, gap.max()
+    # both forwards' rounding of each next-token logit (bounds.logit_rounding), capped by the float32 promise (on
+    # these models the worst case is above it: 576- and 640-term dots), plus this float32 sum of the parts
+    # (measured before: 1.1e-5 at most, logits 8..37)
+    rounding = bounds.logit_rounding(model, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    promise = 1e-4 * plain.double().abs().clamp(min=1.0)
+    limit = torch.minimum(2 * rounding, promise) + bounds.sum_bound(attr.values[0])
+    assert float((gap / limit).max()) <= 1, gap.max()
     assert ns["k"] == len(ids) - 3 and attr.target_tokens[0][ns["k"]] == " Paris"

@@ -29,8 +29,8 @@ def words(n: int, start: int = 5) -> str:
 @pytest.mark.parametrize("by", ["block", "head", "neuron"])
 def test_cohere_compass_without_logit_scale(by):
     """``logit_scale=None``: the parts sum to the plain forward's logit difference (before: ``TypeError: float()
-    argument must be a string or a real number, not 'NoneType'`` at every granularity). Measured: at most 7.8e-8
-    (relative)."""
+    argument must be a string or a real number, not 'NoneType'`` at every granularity), within the float32 promise
+    (measured 7.8e-8 of max(1, |logit|) on one machine)."""
     model = tiny_model("cohere_compass_text")
     assert model.config.logit_scale is None
     assert model.config.rope_parameters["full_attention"] is None  # a global layer without RoPE beside sliding ones
@@ -49,7 +49,7 @@ def repeated_hash_tokens(model) -> set[int]:
 def test_deepseek_v4_hash_routing_to_one_expert_twice(by):
     """Prompt tokens whose hash routing names one expert in both slots: the parts sum to the plain forward's logit
     difference at every granularity (before: block and head exact, neuron and expert ``ExactnessError`` off by
-    0.02). Measured: at most 5.0e-8 (relative)."""
+    0.02), within the float32 promise (measured 5.0e-8 of max(1, |logit|) on one machine)."""
     model = tiny_model("deepseek_v4")
     ids = {int(i) for prompt in PROMPTS for i in model.tokenizer(prompt)["input_ids"]}
     assert ids & repeated_hash_tokens(model), "no prompt token routes to one expert twice: the test checks nothing"
@@ -59,7 +59,8 @@ def test_deepseek_v4_hash_routing_to_one_expert_twice(by):
 
 def test_deepseek_v4_expert_gets_both_slots():
     """An untrained table of zeros (every token to expert 0, in both slots): the parts sum to the plain forward
-    (measured: 6.8e-8 relative), and in the hash layer only expert 0 has a part."""
+    within the float32 promise (measured 6.8e-8 of max(1, |logit|) on one machine), and in the hash layer only
+    expert 0 has a part."""
     hf = tiny.build("deepseek_v4")
     for name, table in hf.named_buffers():
         if name.endswith("tid2eid"):
@@ -79,7 +80,8 @@ XLSTM_LIMIT = 16  # the tiny xLSTM's max_inference_chunksize (dla_recipes/testin
 def test_xlstm_chunked_forward_is_not_the_one_pass_forward():
     """Why a longer batch is refused: the model's own forward of one prompt past the limit (chunked, state through
     a bfloat16 cache: use_cache is off) is not its one-pass forward (``output_hidden_states`` keeps it in one pass).
-    Measured: 7.1e-3 at 17 tokens, 0 at 16; the float32 promise is 1e-4."""
+    At 16 tokens both are one pass, the same computation (0 apart); at 17 they differ by more than the float32
+    promise 1e-4 (measured 7.1e-3)."""
     model = tiny_model("xlstm")
     assert model.config.max_inference_chunksize == XLSTM_LIMIT and not model.config.use_cache
     hf = model._module
@@ -93,7 +95,7 @@ def test_xlstm_chunked_forward_is_not_the_one_pass_forward():
 @pytest.mark.parametrize("by", ["block", "neuron"])
 def test_xlstm_at_the_single_pass_limit(by):
     """A prompt of exactly ``max_inference_chunksize`` tokens runs in one pass: its parts sum to the plain
-    forward's logit difference. Measured: at most 4.3e-7 (relative)."""
+    forward's logit difference, within the float32 promise (measured 4.3e-7 of max(1, |logit|) on one machine)."""
     model = tiny_model("xlstm")
     prompts = [words(XLSTM_LIMIT), *PROMPTS]
     attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by)
