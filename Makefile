@@ -50,9 +50,10 @@ lint: $(VENV)/.test
 # The suite on both cores: pytest-xdist's two workers, one torch thread each (the tiny models' ops are too small to
 # share; tests/conftest.py keeps the docs notebooks, the built site and the browser on one worker, and each module's
 # shared fixtures, a real model or a loopback server, on one worker), then the benchmark in quick mode. Each stage
-# (set-up, lint, pytest, benchmark) is timed: the table is printed at the end, and kept in build/stages.tsv.
+# (set-up, lint, pytest, benchmark) is timed: the table is printed at the end, and kept in build/stages.tsv. A worker
+# that dies (out of memory) fails the run: no restart.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL = env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+PYTEST_PARALLEL = env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --max-worker-restart=0 --durations=15
 STAGE = stage() { name=$$1; shift; began=$$(date +%s); "$$@"; rc=$$?; \
 	  printf '%s\t%s\t%s\n' "$$name" "$$(( $$(date +%s) - began ))" "$$rc" >> build/stages.tsv; return $$rc; }
 STAGES_REPORT = awk -F '\t' 'BEGIN { printf "%-10s %8s %5s\n", "stage", "seconds", "exit" } \

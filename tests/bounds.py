@@ -100,7 +100,8 @@ def read_rounding(d: int, adds: int, dtype: torch.dtype = torch.float32) -> floa
             + (adds + 3) * unit_roundoff(dtype))
 
 
-_ABSOLUTE: dict[int, tuple] = {}  # id(weight) -> (weight, |weight| in float32): one copy a model
+_ABSOLUTE: dict[int, tuple] = {}  # id(weight) -> (weight, |weight| in float32): the last weight's only (a copy kept
+# per model would hold every real model's unembedding for the whole session: 1.3 GB a Gemma-3 load)
 
 
 def absolute_product(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -108,6 +109,7 @@ def absolute_product(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (a 262k-row unembedding is 0.7 GB), then divided by ``1 - gamma_d`` (a float32 sum of positive terms is at least
     ``1 - gamma_d`` of the exact one), so it stays an upper bound of the exact sums."""
     if id(weight) not in _ABSOLUTE:
+        _ABSOLUTE.clear()
         _ABSOLUTE[id(weight)] = (weight, weight.detach().float().abs())
     product = y.detach().float().abs() @ _ABSOLUTE[id(weight)][1].T
     return product.double() / (1 - gamma(y.shape[-1]))

@@ -313,15 +313,26 @@ def deselect_fast(config, items) -> None:
         items[:] = selected
 
 
+MUTANT_ROWS: list = []  # (mutant, outcome, seconds, killers) of each test_mutants test run, from its report
+
+
+def pytest_runtest_logreport(report):
+    """Keep the kill table's rows (``test_mutants`` records them as the report's user properties, which
+    pytest-xdist carries from the worker that ran the test)."""
+    if report.when == "call":
+        MUTANT_ROWS.extend(value for key, value in report.user_properties if key == "mutant")
+
+
 def pytest_terminal_summary(terminalreporter):
     """The mutant this session runs under (``test_mutants`` checks the line), and the mutants' kill table when
-    ``test_mutants`` ran in this session."""
+    ``test_mutants`` ran in this session (on this process or a worker)."""
     if MUTANT_HEADER is not None:
         terminalreporter.write_line(MUTANT_HEADER)
-    module = sys.modules.get("test_mutants")
-    if module is not None and getattr(module, "RESULTS", None):
+    if MUTANT_ROWS:
+        import test_mutants
+
         terminalreporter.section("mutants")
-        for line in module.summary_lines():
+        for line in test_mutants.summary_lines(MUTANT_ROWS):
             terminalreporter.write_line(line)
 
 

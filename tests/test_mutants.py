@@ -56,7 +56,8 @@ def control():
 
 
 @pytest.mark.mutants
-def test_the_targets_exist_and_pass_unmutated(control):
+def test_the_targets_exist_and_pass_unmutated(control, record_property):
+    record_property("mutant", ["(none: control)", *RESULTS["(none: control)"]])  # for the kill table (conftest)
     collected = re.search(r"(\d+) passed", control.stdout)
     assert collected and int(collected.group(1)) == len(mutants.TARGETS), tail(control)
 
@@ -75,10 +76,11 @@ def classify(name: str, returncode: int, stdout: str) -> tuple[str, list[str], l
 
 @pytest.mark.mutants
 @pytest.mark.parametrize("name", list(mutants.MUTANTS))
-def test_mutant_is_killed(name, control):
+def test_mutant_is_killed(name, control, record_property):
     done, seconds = run_targets(name)
     outcome, killers, crashed = classify(name, done.returncode, done.stdout)
     RESULTS[name] = (outcome, seconds, killers)
+    record_property("mutant", [name, outcome, seconds, killers])  # the report carries it to the kill table
     what = mutants.MUTANTS[name].what
     assert outcome != "HARNESS BROKEN", (
         f"{name}: harness broken (pytest exit {done.returncode}; crashed: {crashed or 'none'}; the mutant's line "
@@ -111,12 +113,14 @@ def test_the_outcome_of_a_run_is_read_strictly():
     assert classify("m", 1, line + "FAILED tests/a.py::t - TypeError: bad\n")[0] == "HARNESS BROKEN"
 
 
-def summary_lines() -> list[str]:
-    """The kill table: each mutant, its outcome, its time, the tests that killed it (short names)."""
+def summary_lines(rows) -> list[str]:
+    """The kill table of ``rows`` (``(mutant, outcome, seconds, killers)`` as the tests record them: under
+    pytest-xdist the reports carry them from the worker): each mutant, its outcome, its time, the tests that killed
+    it (short names)."""
     def short(nodeid: str) -> str:
         return nodeid.replace(mutants.SINGLE, "single").replace(mutants.FAMILIES, "sums")
 
     lines = [f"{'mutant':30s} {'outcome':14s} {'seconds':>7s}  killed by"]
-    for name, (outcome, seconds, killers) in RESULTS.items():
+    for name, outcome, seconds, killers in rows:
         lines.append(f"{name:30s} {outcome:14s} {seconds:7.1f}  {' '.join(short(k) for k in killers) or '-'}")
     return lines
