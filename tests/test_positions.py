@@ -111,7 +111,8 @@ def check_sites(model, attr, prompts, expected, reference, what: str) -> float:
             # the self-check's bound is this site's own (its logit's size), and the parts are within it of the model
             assert gap <= float(bound[b, k]), f"{what}: prompt {b} position {p}: gap {gap:.3g} > bound {bound[b, k]}"
             limit = site_bound(reference, b, p, z, rounding)  # both forwards' rounding of the logit (bounds.py)
-            worst = max(worst, gap / limit)
+            # a zero direction (the top token is the contrast) rounds to nothing: its parts must be exactly 0
+            worst = max(worst, gap / limit if limit > 0 else (0.0 if gap == 0 else float("inf")))
             assert gap <= limit, f"{what}: prompt {b} position {p}: parts {total}, model {want}"
     return worst
 
