@@ -28,6 +28,8 @@ their sum is within ``SIGMAS`` of its scale; elementwise roundings have no order
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 SIGMAS = 4.0  # random_bound's allowance, in units of the scale of a sum of independent roundings (the self-check's)
@@ -145,3 +147,28 @@ def logit_rounding(model, ids) -> torch.Tensor:
         return bound + stored
     capped = logits / plan.softcap
     return bound + (stored + 3 * unit_roundoff(weight.dtype) * logits.abs()) / (1 - capped * capped)
+
+
+class Moments(NamedTuple):
+    """``[C]`` float64 each: how far two computations of the rows' mean, ``m2`` and std may differ."""
+
+    mean: torch.Tensor
+    m2: torch.Tensor
+    std: torch.Tensor
+
+
+def moments_bound(x) -> Moments:
+    """How far two float64 computations of the mean, ``m2 = sum (x - mean)^2`` and std of the rows ``x`` (``[n, C]``;
+    chunks merged by Chan's formula in any grouping, or numpy's) may differ. Model: each side takes every sample
+    through at most ``4n`` roundings (a chunk's sum and division, each merge's delta, product and add):
+    ``gamma_4n * max |x|`` for the mean; ``m2`` to ``gamma_4n * sum (|x| + |mean|)^2``; and ``std = sqrt(m2 / (n -
+    1))`` moves by that over ``2 (n - 1) std``, plus ``2u`` of it. Both sides: twice each."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    n = x.shape[0]
+    g = gamma(4 * n, torch.float64)
+    mean = g * x.abs().amax(0)
+    m2 = g * ((x.abs() + x.mean(0).abs()) ** 2).sum(0)
+    std = x.std(0)
+    u = unit_roundoff(torch.float64)
+    std_bound = torch.where(std > 0, m2 / (2 * max(n - 1, 1) * std.clamp(min=1e-300)) + 2 * u * std, m2.sqrt())
+    return Moments(2 * mean, 2 * m2, 2 * std_bound)

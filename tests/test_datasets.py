@@ -235,22 +235,6 @@ def by_hand(frame, labels):
     return x.mean(0), x.std(0, ddof=1)
 
 
-def moments_bound(x) -> tuple:
-    """``(mean [C], std [C])``: how far two float64 computations of the rows' mean and std (chunks merged by Chan's
-    formula; numpy) may differ. Model: each side takes every sample through at most ``4n`` roundings (a chunk's
-    sum and division, each merge's delta, product and add): ``gamma_4n * max |x|`` for the mean; ``m2 = sum (x -
-    mean)^2`` to ``gamma_4n * sum (|x| + |mean|)^2``, and ``std = sqrt(m2 / (n - 1))`` moves by that over ``2 (n - 1)
-    std``, plus ``2u`` of it (measured before: 3.5e-18 and 1.4e-17)."""
-    x = torch.tensor(x, dtype=torch.float64)
-    n = x.shape[0]
-    g = bounds.gamma(4 * n, torch.float64)
-    mean = g * x.abs().amax(0)
-    m2 = g * ((x.abs() + x.mean(0).abs()) ** 2).sum(0)
-    std = x.std(0)
-    u = bounds.unit_roundoff(torch.float64)
-    return 2 * mean, 2 * (m2 / (2 * (n - 1) * std) + 2 * u * std)
-
-
 def test_stats_over_chunks_are_the_rows_statistics_and_one_call(model, tmp_path):
     stats = dla_recipes.attribute_dataset(model, iter(ROWS), target="answer", contrast="foil", by="head",
                                           reduce="stats", replicates=64, seed=3, batch_size=BATCH, progress=False)
@@ -259,7 +243,7 @@ def test_stats_over_chunks_are_the_rows_statistics_and_one_call(model, tmp_path)
     assert list(stats.labels) == labels and stats.n == len(ROWS)
     table = stats.summary()
     mean, std = by_hand(frame, labels)
-    mean_bound, std_bound = moments_bound(frame[labels].to_numpy(dtype="float64"))  # float64, both sides
+    mean_bound, _, std_bound = bounds.moments_bound(frame[labels].to_numpy(dtype="float64"))  # float64, both sides
     assert float((abs(table["mean"].to_numpy()[:len(labels)] - mean) / mean_bound.numpy()).max()) <= 1
     assert float((abs(table["std"].to_numpy()[:len(labels)] - std) / std_bound.numpy()).max()) <= 1
     one = dla_recipes.attribute(model, [r["prompt"] for r in ROWS], [r["answer"] for r in ROWS],
@@ -301,7 +285,7 @@ def test_compare_a_second_prompt_column_and_an_edit(model, tmp_path):
     assert stats.paired and stats.n == len(ROWS)
     # the pairs run in other batches (clean + corrupted padded together): each row within both batchings' rounding
     # of its logit (row_limits), clean and corrupt, averaged; plus the float64 means (measured before: 3.3e-9)
-    limit = (row_limits(model, clean) + row_limits(model, corrupt)).mean() + moments_bound(diff)[0].max()
+    limit = (row_limits(model, clean) + row_limits(model, corrupt)).mean() + bounds.moments_bound(diff).mean.max()
     assert float(abs(stats.summary()["mean"].to_numpy()[:len(labels)] - diff.mean(0)).max()) <= float(limit)
 
     hs = dla_recipes.head_slice(model, 1, 1)
@@ -320,11 +304,11 @@ def test_compare_a_second_prompt_column_and_an_edit(model, tmp_path):
     # the ablated head, 0 - its plain part: the plain rows within both batchings' rounding (row_limits), averaged,
     # plus the float64 means (measured before: 1.4e-10 on AVX2, 1.0e-9 on an AVX-512 / AMX Xeon, one float32 ulp)
     part = plain["L1.H1"].to_numpy(dtype="float64")
-    limit = row_limits(model, plain).mean() + moments_bound(part[:, None])[0][0]
+    limit = row_limits(model, plain).mean() + bounds.moments_bound(part[:, None]).mean[0]
     assert abs(table.loc["L1.H1", "mean"] + part.mean()) <= float(limit)
     logit = ablated.logit.double().numpy() - plain["logit"].to_numpy(dtype="float64")
     # the same logits (the same batches), two float64 means of them (moments_bound; measured before: 1.7e-18)
-    assert abs(table.loc["logit", "mean"] - logit.mean()) <= float(moments_bound(logit[:, None])[0][0])
+    assert abs(table.loc["logit", "mean"] - logit.mean()) <= float(bounds.moments_bound(logit[:, None]).mean[0])
     assert "L1.attn.edit" in edited.labels  # a column only the edited pass has: 0 in the plain one
     with pytest.raises(InputError, match="with reduce='stats'"):
         dla_recipes.attribute_dataset(model, paired, target="answer", compare="corrupt")

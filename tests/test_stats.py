@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 import random
 
+import bounds
 import numpy as np
 import pytest
 import scipy.stats
 import torch
 from conftest import CONTRAST, PROMPTS, TARGET, serve_tiny, single_threaded, tiny_model
 from mutants import MUTANTS
+from test_positions import batch_bound, difference, ids_of
 
 import dla_recipes
 from dla_recipes import AttributionStats, ExactnessError, InputError, NonFiniteError, Stats
@@ -30,16 +32,6 @@ from dla_recipes.trace import stats as trace_stats
 from dla_recipes.trace import terms
 
 FAMILIES = ("llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "deepseek_v3", "recurrent_gemma", "inkling")
-# Measured over the 8 families x 3 granularities: the summary's mean, std and sem against numpy's on the same float32
-# rows differ by at most 2.0e-16 of the column's largest |value|.
-SAME = 1e-15
-# The t interval mean -+ t sem against numpy's mean and sem times scipy.stats.t.ppf's t (the function the package
-# calls: the same t bit for bit). Error model: a few float64 operations on each side (n-term sums, Chan's merge of the
-# batches, a square root, one multiply-add), so a few ulps (2.2e-16) of the column's largest |value|: measured at
-# most 3.3e-16 over the 8 families x 3 granularities. Relative to the endpoint itself it reached 2.3e-13 (an
-# endpoint near 0, where mean and t sem cancel), hence the column's scale. 1e-12 leaves room for any CPU's rounding
-# while a wrong quantile is far above it (t at df = n instead of n - 1, n = 12: 2.179 vs 2.201, ~1e-3 of a scale).
-CI_SAME = 1e-12
 
 
 def dataset(n: int, seed: int = 0) -> list[str]:
@@ -64,21 +56,95 @@ def by_hand(x: np.ndarray, ci: float = 0.95) -> dict:
             "share_positive": (x > 0).mean(0)}
 
 
+def over(gap: np.ndarray, limit: np.ndarray) -> float:
+    """The largest ``gap / limit``; a limit of 0 (a column that is 0 in every row) allows only a gap of exactly 0."""
+    gap, limit = np.broadcast_arrays(np.asarray(gap, dtype=np.float64), np.asarray(limit, dtype=np.float64))
+    ratio = np.where(limit > 0, gap / np.where(limit > 0, limit, 1.0), np.where(gap == 0, 0.0, np.inf))
+    return float(ratio.max()) if ratio.size else 0.0
+
+
+def interval_bound(moments: bounds.Moments, n: int, ci: float = 0.95) -> torch.Tensor:
+    """``[C]``: how far two computations of ``mean -+ t sem`` may differ when their means and stds differ by
+    ``moments`` (the same ``t``: scipy's, bit for bit): the mean's, plus ``t`` times the sem's (``std / sqrt n``),
+    plus the float64 multiply-add's own rounding of the endpoint (``2u`` of it, each side)."""
+    t = float(scipy.stats.t.ppf(0.5 + ci / 2, n - 1))
+    return moments.mean + t * moments.std / math.sqrt(n)
+
+
 def assert_matches_rows(stats: AttributionStats, x: np.ndarray) -> tuple[float, float]:
-    """The summary's moments are numpy's on the rows and its t interval scipy's t quantile times them, to float
-    rounding (relative to each column's largest |value|); returns the largest gaps (moments, interval)."""
+    """The summary's moments are numpy's on the rows and its t interval scipy's t quantile times them, within two
+    float64 computations' rounding (``bounds.moments_bound``: ``gamma_4n`` of the rows' magnitudes); the share
+    positive exactly. Returns the largest gaps over their bounds (moments, interval)."""
     table, hand = stats.summary(), by_hand(x)
     assert stats.n == hand["n"] and (table["n"] == hand["n"]).all()
-    scale = np.maximum(np.abs(x).max(0), 1e-30)
+    moments = bounds.moments_bound(x)
+    u = bounds.unit_roundoff(torch.float64)
+    limits = {"mean": moments.mean, "std": moments.std, "sem": moments.std / math.sqrt(hand["n"])}
+    interval = interval_bound(moments, hand["n"])
+    for name in ("ci_low", "ci_high"):
+        limits[name] = interval + 4 * u * torch.as_tensor(np.abs(hand[name]))
 
     def worst(names):
-        return max(float((np.abs(table[name].to_numpy() - hand[name]) / scale).max()) for name in names)
+        return max(over(np.abs(table[name].to_numpy() - hand[name]), limits[name].numpy()) for name in names)
 
-    moments, interval = worst(("mean", "std", "sem")), worst(("ci_low", "ci_high"))
-    assert moments < SAME, moments
-    assert interval < CI_SAME, interval
+    ratios = worst(("mean", "std", "sem")), worst(("ci_low", "ci_high"))
+    assert ratios[0] <= 1, ratios
+    assert ratios[1] <= 1, ratios
     np.testing.assert_array_equal(table["share_positive"].to_numpy(), hand["share_positive"])
-    return moments, interval
+    return ratios
+
+
+def row_limits(model, prompts) -> torch.Tensor:
+    """``[n]``: how far prompt ``b``'s row (each part, the constant and the logit) may move between two batchings
+    or processes: both forwards' rounding of its logit difference at its last token (``test_positions.batch_bound``:
+    bounds.py's model of a logit's rounding)."""
+    return batch_bound(model, prompts, difference(model), [len(ids_of(model, p)) - 1 for p in prompts])
+
+
+def moved_bounds(x: np.ndarray, limits: torch.Tensor, reference: AttributionStats) -> dict:
+    """What two reductions of the same samples may differ by when sample ``b``'s row (``x [n, C]``) moves by at
+    most ``limits[b]`` between them (another batching, process or pairing), plus both sides' float64 rounding
+    (``bounds.moments_bound``). Model, by the triangle inequality: the mean by ``mean(limits)``; the std by
+    ``sqrt(sum limits^2 / (n - 1))`` (a norm of the centred rows); ``m2`` by ``2 sqrt(m2) |limits| + |limits|^2``;
+    a bootstrap replicate sum by its weight total times ``max(limits)`` (each sample enters it ``w`` times), a
+    sign-flip sum by ``sum(limits)``, each plus ``gamma_n`` of its terms in float64 (both sides); the percentile
+    endpoints (quantiles of the replicates' means) by ``max(limits)``; a share or p-value (counts) by the samples
+    or replicates within their bound of the threshold, over the count."""
+    n = x.shape[0]
+    limits = limits.double()
+    x64 = torch.as_tensor(x, dtype=torch.float64)
+    scale = x64.abs().amax(0)  # [C]
+    moments = bounds.moments_bound(x)
+    g = 2 * bounds.gamma(4 * n, torch.float64)
+    norm = float(limits.pow(2).sum().sqrt())
+    mean = float(limits.mean()) + moments.mean
+    std = norm / math.sqrt(max(n - 1, 1)) + moments.std
+    weight = reference.weight.double()[:, None]  # [R, 1]
+    boot = weight * (float(limits.max()) + g * scale)  # [R, C]
+    flip = float(limits.sum()) + g * x64.abs().sum(0)  # [C]
+    total = x64.sum(0)
+    near = ((reference.flip.abs() - total.abs()).abs() <= 2 * flip).double().sum(0)
+    return {
+        "mean": mean, "m2": 2 * reference.m2.clamp(min=0).sqrt() * norm + norm ** 2 + moments.m2,
+        "boot": boot, "flip": flip.expand_as(reference.flip),
+        "summary": {"mean": mean, "std": std, "sem": std / math.sqrt(n), "ci_low": interval_bound(
+            bounds.Moments(mean, moments.m2, std), n), "share_positive": (x64.abs() <= limits[:, None]).double().sum(0)
+            / n, "boot_low": float(limits.max()) + g * scale, "p_signflip": near / (reference.replicates + 1)},
+    }
+
+
+def assert_moved_within(stats: AttributionStats, reference: AttributionStats, allowed: dict, what) -> None:
+    """``stats`` against ``reference`` within ``moved_bounds``: the accumulators and every summary column."""
+    for name in ("mean", "m2", "boot", "flip"):
+        gap = (getattr(stats, name) - getattr(reference, name)).abs()
+        assert bool((gap <= allowed[name]).all()), (what, name, float((gap / allowed[name]).max()))
+    mine, theirs = stats.summary(), reference.summary()
+    columns = {**allowed["summary"], "ci_high": allowed["summary"]["ci_low"], "boot_high": allowed["summary"]["boot_low"]}
+    for name, limit in columns.items():
+        gap = np.abs(mine[name].to_numpy() - theirs[name].to_numpy())
+        limit = np.broadcast_to(np.asarray(limit), gap.shape) + 4 * bounds.unit_roundoff(torch.float64) * np.abs(
+            theirs[name].to_numpy())
+        assert (gap <= limit).all(), (what, name, float((gap / np.maximum(limit, 1e-300)).max()))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,7 +157,7 @@ def test_stats_are_the_rows_statistics(family, by):
     attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by, batch_size=5)
     assert list(stats.labels) == list(attr.labels) and stats.by == by and stats.family == attr.family
     assert_matches_rows(stats, rows(attr))
-    assert stats.error == pytest.approx(attr.error, abs=1e-12)
+    assert stats.error == attr.error  # the same rows (the same batches), the same largest gap
 
 
 K = 5  # Monte-Carlo standard errors allowed between the package's resampling and scipy's
@@ -177,15 +243,14 @@ def test_same_stats_in_any_batching_and_chunks():
                                    reduce=Stats(replicates=64, seed=3, start=4), batch_size=2)
     calls["chunks"] = first.merge(second)
     reference = calls[None]
-    # measured: batchings differ by at most 2.3e-8 in the summary, 6.1e-7 in a replicate sum (of ten rows of up to
-    # ~3), 4.3e-7 in a sign-flip sum: the float32 rows of a padded batch differ in their last bits; the weights are
-    # the same exactly (their totals are equal)
+    # each prompt's row may move between batchings by both forwards' rounding of its logit (row_limits): the
+    # statistics by what that moves them (moved_bounds); the weights are a function of the sample: equal exactly
+    x = rows(dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head"))
+    allowed = moved_bounds(x, row_limits(model, prompts), reference)
     for key, stats in calls.items():
         assert stats.n == reference.n == 10, key
         assert torch.equal(stats.weight, reference.weight), key
-        np.testing.assert_allclose(stats.summary().to_numpy(), reference.summary().to_numpy(), atol=5e-8, rtol=0)
-        torch.testing.assert_close(stats.boot, reference.boot, atol=1.2e-6, rtol=0)
-        torch.testing.assert_close(stats.flip, reference.flip, atol=1.2e-6, rtol=0)
+        assert_moved_within(stats, reference, allowed, key)
     other = dla_recipes.attribute(model, prompts[:4], TARGET, contrast=CONTRAST, by="block", reduce="stats")
     with pytest.raises(InputError, match="different attributions"):
         first.merge(other)
@@ -217,11 +282,13 @@ def test_paired_differences():
     x = rows(dla_recipes.attribute(model, clean, TARGET, contrast=CONTRAST, by="head"))
     y = rows(dla_recipes.attribute(model, corrupted, TARGET, contrast=CONTRAST, by="head"))
     assert stats.paired and stats.n == 9
-    # the paired rows run in other (padded) batches than the two unpaired calls, so their float32 rows differ in
-    # the last bits: measured at most 1.9e-8 (ci_high), 1.3e-8 (mean)
+    # the paired rows run in other (padded) batches than the two unpaired calls: each difference within both
+    # rows' limits (row_limits, clean and corrupted), carried into the summary by moved_bounds
+    allowed = moved_bounds(x - y, row_limits(model, clean) + row_limits(model, corrupted), stats)["summary"]
     table, hand = stats.summary(), by_hand(x - y)
     for name in ("mean", "std", "ci_low", "ci_high"):
-        assert np.abs(table[name].to_numpy() - hand[name]).max() <= 4e-8, name
+        limit = allowed["ci_low" if name.startswith("ci") else name]
+        assert (np.abs(table[name].to_numpy() - hand[name]) <= np.asarray(limit)).all(), name
     with pytest.raises(InputError, match="two halves"):
         dla_recipes.attribute(model, clean, TARGET, reduce=Stats(paired=True))
 
@@ -354,16 +421,20 @@ def test_remote_equals_local(server, family, monkeypatch):
     with single_threaded():
         local = dla_recipes.attribute(local_model, prompts, TARGET, **kwargs)
     assert remote.labels == local.labels and remote.n == local.n == 10
-    # measured: the components' replicate sums are equal bit for bit, their means and m2 within 1.4e-17 (Chan's
-    # formula merging in other groupings); the model's own logit may differ in its last bit between two processes
-    # (test_remote): its column within 3.1e-7 (a replicate sum of ten logits)
+    # the same float32 rows on both sides, but the model's own logit may differ in its last bits between two
+    # processes (test_remote): the components' replicate sums equal bit for bit, their means and m2 within two
+    # float64 merges in other groupings (bounds.moments_bound); every column, the logit's too, within what rows
+    # moving by their logit's rounding move the statistics (moved_bounds, row_limits)
     for name in ("boot", "flip", "positive"):
         assert torch.equal(getattr(remote, name)[:, :-1] if name != "positive" else remote.positive[:-1],
                            getattr(local, name)[:, :-1] if name != "positive" else local.positive[:-1]), name
+    with single_threaded():
+        x = rows(dla_recipes.attribute(local_model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=2))
+    moments = bounds.moments_bound(x)
     for name in ("mean", "m2"):
-        torch.testing.assert_close(getattr(remote, name)[:-1], getattr(local, name)[:-1], atol=3e-17, rtol=0)
-    for name in ("mean", "m2", "boot", "flip"):
-        torch.testing.assert_close(getattr(remote, name), getattr(local, name), atol=7e-7, rtol=0)
+        gap = (getattr(remote, name) - getattr(local, name))[:-1].abs()
+        assert bool((gap <= getattr(moments, name)[:-1]).all()), name
+    assert_moved_within(remote, local, moved_bounds(x, row_limits(local_model, prompts), local), "remote")
     assert torch.equal(remote.weight, local.weight)
 
 
@@ -388,9 +459,12 @@ def test_ndif_like_autocast_and_handle(ndif_server):
         later = handle.result()
     with single_threaded(), ndif_server.bracket():
         local = dla_recipes.attribute(local_model, prompts, TARGET, **kwargs)
+        x = rows(dla_recipes.attribute(local_model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=3))
+    mean_bound = bounds.moments_bound(x).mean
     for stats in (remote, later):
         assert stats.n == local.n == 8 and stats.boot.dtype == torch.float64
         assert torch.equal(stats.weight, local.weight)
-        # measured: the component columns equal bit for bit; the logit column's last bits may differ (test_remote)
+        # the component columns equal bit for bit (the same rows); the logit column's last bits may differ
+        # (test_remote); the components' means within two float64 merges in other groupings (bounds.moments_bound)
         assert torch.equal(stats.boot[:, :-1], local.boot[:, :-1]) and torch.equal(stats.flip[:, :-1], local.flip[:, :-1])
-        torch.testing.assert_close(stats.mean[:-1], local.mean[:-1], atol=3e-17, rtol=0)
+        assert bool(((stats.mean - local.mean)[:-1].abs() <= mean_bound[:-1]).all())
