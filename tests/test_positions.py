@@ -143,6 +143,31 @@ def batch_ratio(ours, theirs, limit: torch.Tensor) -> float:
     return float((gap / limit).max())
 
 
+def assert_rows_within(model, ours, theirs, reference, what="", parts=2) -> float:
+    """``ours`` and ``theirs``: the same prompts' rows (one site a row) from two computations (another batching, a
+    prompt alone, another process): each row's values and logit within both forwards' rounding of its logit
+    (``attribution_bound``, with ``reference(b, p, z)`` the row's quantity; ``parts``: how many forwards' roundings
+    the two sides carry, 2 for two forwards). Returns the largest gap over its bound."""
+    limit = attribution_bound(model, theirs, reference) * (parts / 2)
+    ratio = max(batch_ratio(ours.values, theirs.values, limit), batch_ratio(ours.logit, theirs.logit, limit))
+    assert ratio <= 1, (what, ratio)
+    return ratio
+
+
+def targets_of(model, attr):
+    """``reference(b, p, z)``: row ``b``'s target logit minus its contrast's (``attr``'s tokens, one or one a row)."""
+    def one(token):
+        encoded = model.tokenizer(token, add_special_tokens=False).input_ids if isinstance(token, str) else [token]
+        return int(encoded[0]) if len(encoded) == 1 else token_id(model, token)
+
+    def ids(tokens):
+        tokens = list(tokens) if tokens else []
+        return [one(t) for t in (tokens * len(attr.prompts) if len(tokens) == 1 else tokens)]
+
+    t, c = ids(attr.target_tokens), ids(attr.contrast_tokens)
+    return lambda b, p, z: z[p, t[b]] - (z[p, c[b]] if c else 0.0)
+
+
 def every_position(model, prompts=PROMPTS) -> list[list[int]]:
     return [list(range(len(ids_of(model, p)))) for p in prompts]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CONTRAST, PROMPTS, TARGET, tiny_model
+from test_positions import attribution_bound, batch_ratio, targets_of
 
 import dla_recipes
 from dla_recipes.components import Component, parse_label
@@ -41,8 +42,11 @@ def test_trace_attribution_returns_what_attribute_returns(by, dtype):
     assert traced.labels == called.labels and traced.components == called.components
     assert {"bound", "split_rounding", "norm_fit_error", "head_error", "scale"} <= set(traced.diagnostics)
     _same_diagnostics(traced, called)
-    torch.testing.assert_close(traced.values, called.values, atol=1e-6, rtol=1e-5)
-    assert traced.error == pytest.approx(called.error, abs=1e-6)
+    # the same forward through two entry points: each row within both forwards' rounding of its logit
+    # (test_positions.attribution_bound), the largest gap moved by at most the rows' parts' and logit's
+    limit = attribution_bound(model, called, targets_of(model, called))
+    assert batch_ratio(traced.values, called.values, limit) <= 1 and batch_ratio(traced.logit, called.logit, limit) <= 1
+    assert abs(traced.error - called.error) <= float(limit.max()) * (len(called.labels) + 2)
 
 
 def test_attribute_direction_has_the_same_diagnostics_keys():
