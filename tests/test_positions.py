@@ -143,12 +143,11 @@ def batch_ratio(ours, theirs, limit: torch.Tensor) -> float:
     return float((gap / limit).max())
 
 
-def assert_rows_within(model, ours, theirs, reference, what="", parts=2) -> float:
+def assert_rows_within(model, ours, theirs, reference, what="") -> float:
     """``ours`` and ``theirs``: the same prompts' rows (one site a row) from two computations (another batching, a
     prompt alone, another process): each row's values and logit within both forwards' rounding of its logit
-    (``attribution_bound``, with ``reference(b, p, z)`` the row's quantity; ``parts``: how many forwards' roundings
-    the two sides carry, 2 for two forwards). Returns the largest gap over its bound."""
-    limit = attribution_bound(model, theirs, reference) * (parts / 2)
+    (``attribution_bound``, with ``reference(b, p, z)`` the row's quantity). Returns the largest gap over its bound."""
+    limit = attribution_bound(model, theirs, reference)
     ratio = max(batch_ratio(ours.values, theirs.values, limit), batch_ratio(ours.logit, theirs.logit, limit))
     assert ratio <= 1, (what, ratio)
     return ratio
