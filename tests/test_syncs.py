@@ -113,8 +113,8 @@ def test_no_wait_for_the_device_inside_the_forward(family, by):
             assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
 
 
-# families whose plan accepts each upstream split (Gemma-3's post-norms refuse upstream="head")
-@pytest.mark.parametrize("family, upstream", [("llama", "block"), ("llama", "head"), ("gemma3", "block"),
+# families whose plan accepts each upstream split (Gemma-3's heads through their frozen post-norms)
+@pytest.mark.parametrize("family, upstream", [("llama", "block"), ("llama", "head"), ("gemma3", "block"), ("gemma3", "head"),
                                               ("gpt2", "head"), ("qwen2", "block"), ("qwen2", "head")])
 def test_no_wait_for_the_device_splitting_sources_by_upstream(family, upstream):
     """``by="source"`` with ``upstream=``: every component's writes at the sources, each prompt's sites grouped on

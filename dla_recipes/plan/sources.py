@@ -143,11 +143,28 @@ def choose(plan: Plan, layers: list[int], top: int | None, count: int, head_attr
     return Sources(count, frozenset((i, h) for _, i, h in ranked[:top]), upstream)
 
 
+def head_maps(planned) -> str:
+    """What stands between a heads term's output projection and the stream that ``upstream="head"`` cannot carry
+    each head through ('' if nothing: a post-norm frozen at its real input and a config multiplier it can)."""
+    term, split = planned.term, planned.term.split
+    found = [why for why, present in (
+        (f"its parts are read as a {planned.kind!r} kind, not one linear projection", planned.kind != "linear"),
+        (f"a second map, {getattr(split, 'then', None)}", getattr(split, "then", None) is not None),
+        (f"a scale on the projection's input, {getattr(split, 'projection_scale', None)}",
+         getattr(split, "projection_scale", None) is not None),
+        ("a multiplier on the projection's input", planned.projection_multiplier != 1.0),
+        (f"an affine merge ({', '.join(p for p in (term.write.scale, term.write.bias) if p)})",
+         term.write.scale is not None or term.write.bias is not None),
+    ) if present]
+    return "; ".join(found)
+
+
 def check_upstream(model, plan: Plan, layers: Sequence[int], upstream: str = "block") -> None:
     """``sources=dict(upstream="block" or "head")``: raise a ``DLAError`` unless the stream each split block's heads read is
     the plain sum of the writes before it (no per-block scale, stream norm, stream gate or parallel streams) and
     their values are linear in it (one projection of the stream through the block's frozen input norm, or of the
-    stream itself: no value norm)."""
+    stream itself: no value norm); ``"head"``: and each earlier attention's heads reach the stream through their
+    output projection, a post-norm (frozen at its real input) and a multiplier only (``head_maps``)."""
     family = plan.family.name
     why = None
     if plan.family.layer_scale is not None:
@@ -162,11 +179,11 @@ def check_upstream(model, plan: Plan, layers: Sequence[int], upstream: str = "bl
                        ", so the stream is not the sum of what the components wrote")
             if why is None and term.write.outer_norm is not None:
                 why = f"block {i}'s {term.name} is written through a norm shared with another term ({term.write.outer_norm})"
-            if why is None and upstream == "head" and planned.mode("head") == "heads" and (
-                    planned.kind != "linear" or term.write.post_norm or term.write.scale or term.write.bias
-                    or term.split.then or term.split.projection_scale or planned.projection_multiplier != 1.0):
-                why = (f"upstream='head': block {i}'s heads are not written by their output projection alone (a "
-                       "post-norm, a second map or a scale after it)")
+            if why is None and upstream == "head" and planned.mode("head") == "heads":
+                after = head_maps(planned)
+                if after:
+                    why = (f"upstream='head': block {i}'s heads are not written by their output projection alone "
+                           f"(then {after})")
     for i in layers:
         for planned in plan.layers[i]:
             if why is None and planned.mode("source") == "sources":

@@ -53,6 +53,9 @@ class TermReads:
         hyper: ``(post [batch, streams], comb [batch, streams, streams] or None)`` on parallel-stream families.
         post_norm, stream_norm, stream_norm_after: the norms frozen at their real inputs (``Term.write.post_norm``,
             ``Term.stream.norm``, ``Term.stream.norm_after``).
+        post_norm_io: ``(input, output)`` ``[batch, pos, d_model]`` the post-norm's real input and output at every
+            position, as read (not copies: ``upstream="head"`` freezes the post-norm at the sources from them right
+            after this term is read, before the forward pass moves on; ``trace.kinds.paths``).
     """
 
     value: torch.Tensor | None = None
@@ -62,6 +65,7 @@ class TermReads:
     post_norm: FrozenNorm | None = None
     stream_norm: FrozenNorm | None = None
     stream_norm_after: FrozenNorm | None = None
+    post_norm_io: tuple | None = None
 
     def norms(self) -> list[FrozenNorm]:
         """The frozen norms read with the term (their fit errors join the diagnostics)."""
@@ -156,8 +160,11 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
         reads.value = at(read_site(layer, term.output, batch), sites, keep=True)  # read in float32 by its product
     else:
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
-        if term.write.post_norm is not None:
-            reads.post_norm = frozen_at(module_at(layer, term.write.post_norm), sites)
+        if term.write.post_norm is not None:  # frozen at the sites; its whole input and output kept for the sources
+            norm = module_at(layer, term.write.post_norm)
+            reads.post_norm_io = (read_site(norm, "input", batch), read_site(norm, "output", batch))
+            reads.post_norm = probe_norm(norm, reads.post_norm_io[0].shape[-1]).freeze(
+                at(reads.post_norm_io[0], sites), at(reads.post_norm_io[1], sites))
         if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
             reads.written = at(read_site(layer, term.output, batch), sites, keep=True)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it

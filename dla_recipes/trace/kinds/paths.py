@@ -13,7 +13,10 @@ beta`` (no norm: ``y_s = x_s``). ``x_s`` is the sum of what the embedding and ev
 sum to the ``(h, s)`` part exactly: one ``[d_model]`` pull-back per (site, head), whatever the source. With
 ``upstream="head"`` an earlier attention's write is kept as its heads ``z [batch, sources, heads * head_dim]`` (its
 output projection's input) and ``g_h`` is pulled back through that projection too: one column per upstream head,
-then its bias's. Values-side
+then its bias's. Where a post-norm lies between that projection and the stream (Gemma-2/3, OLMo-2: ``Write.post_norm``)
+it is frozen at its real input at the sources, ``o_s -> scale'_s * gain' * center(o_s) + beta'``, a linear map, so
+``g_h`` is pulled back through it first: head ``k``'s column is ``scale'_s * (center(gain' * g_h) . W_O^k z_k[s])``
+and the bias column holds ``scale'_s * (center(gain' * g_h) . b_O) + beta' . g_h`` (``HeadsWrite``). Values-side
 rotary embeddings do not exist (rotary acts on queries and keys); a value norm or a stream that is not the plain sum
 of the writes is refused before the trace (``plan.sources.check_upstream``). Two relative errors join the fit
 errors (``Paths.errors``): the writes' sum against the norm's real input at the sources, and the parts' sum against
@@ -22,15 +25,48 @@ the ``(h, s)`` part from the model's own values; a wrong sum also fails the self
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ...math.frozen_norm import probe_norm
+from ...math.frozen_norm import FrozenNorm, probe_norm
 from ...math.linalg import exact, linear_pullback, relative_gap
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import read_site, term_write
 from .pattern import per_prompt
 from .sources import values_of
+
+
+@dataclass
+class HeadsWrite:
+    """An upstream attention kept by head (``upstream="head"``), at the sources.
+
+    Attributes:
+        z: ``[batch, count, heads * head_dim]`` its output projection's input.
+        projection: the output projection (envoy).
+        planned: its ``PlannedTerm``.
+        post_norm: the post-norm between the projection and the stream, frozen at its real input at the sources
+            (scale ``[batch * count]``), or None.
+    """
+
+    z: torch.Tensor
+    projection: object
+    planned: PlannedTerm
+    post_norm: FrozenNorm | None = None
+
+    def whole(self, device) -> torch.Tensor:
+        """``[batch, count, d_model]``: what the heads wrote to the stream, rebuilt from ``z`` (the projection, its
+        bias, the frozen post-norm and its bias, the multiplier; weights read outside ``exact()``)."""
+        weight, bias = self.projection.weight, getattr(self.projection, "bias", None)
+        with exact():
+            w = weight.float().to(device)
+            out = self.z.to(device) @ (w if self.planned.transposed else w.T)
+            out = out + (0.0 if bias is None else bias.float().to(device))
+            if self.post_norm is not None:
+                batch, count = out.shape[:2]
+                out = (self.post_norm(out.flatten(0, 1)) + self.post_norm.bias).view(batch, count, -1)
+            return out * self.planned.multiplier
 
 
 class Paths:
@@ -77,16 +113,23 @@ class Paths:
             self.read_norm(layer, planned, i)
         elif self.by_head(planned):
             projection = module_at(layer, planned.term.split.projection)
-            self.writes.append((self.gather(read_site(projection, "input", self.batch).flatten(2)), projection,
-                                planned))
+            self.writes.append(HeadsWrite(self.gather(read_site(projection, "input", self.batch).flatten(2)),
+                                          projection, planned))
 
     def after(self, layer, planned: PlannedTerm, mode: str | None, reads) -> None:
-        """After the term is read: keep its write, or its heads (from a term split by source, as it read them)."""
+        """After the term is read: keep its write, or its heads (from a term split by source, as it read them),
+        with its post-norm frozen at the sources (from the post-norm's input and output the term's reads kept)."""
         if not self.by_head(planned):
             self.collect(term_write(layer, planned.term, planned.multiplier, self.batch))
-        elif mode == "sources":
+            return
+        if mode == "sources":
             projection = module_at(layer, planned.term.split.projection)
-            self.writes.append((self.gather(reads.parts.heads.flatten(2)), projection, planned))
+            self.writes.append(HeadsWrite(self.gather(reads.parts.heads.flatten(2)), projection, planned))
+        if planned.term.write.post_norm is not None:
+            stream, output = (self.gather(value).flatten(0, 1) for value in reads.post_norm_io)
+            norm = module_at(layer, planned.term.write.post_norm)
+            self.writes[-1].post_norm = probe_norm(norm, stream.shape[-1]).freeze(stream, output)
+            self.errors.append(self.writes[-1].post_norm.fit_error)
 
     def read_norm(self, layer, planned: PlannedTerm, i: int) -> None:
         """Before block ``i``'s values are read: its heads' input norm (``Term.reads``) frozen at the sources, and
@@ -102,14 +145,8 @@ class Paths:
             self.errors.append(frozen.fit_error)
         total = torch.zeros_like(stream)
         for write in self.writes:
-            if isinstance(write, tuple):  # heads: what their projection wrote (weights read outside exact())
-                z, projection, term = write
-                weight = projection.weight
-                bias = getattr(projection, "bias", None)
-                with exact():
-                    w = weight.float().to(stream.device)
-                    z = z.to(stream.device) @ (w if term.transposed else w.T)
-                    write = (z + (0.0 if bias is None else bias.float().to(z.device))) * term.multiplier
+            if isinstance(write, HeadsWrite):  # heads: what they wrote, rebuilt
+                write = write.whole(stream.device)
             with exact():
                 total = total + write.to(stream.device)
         self.errors.append(relative_gap(total, stream))
@@ -154,26 +191,37 @@ class Paths:
             if isinstance(write, torch.Tensor):
                 plain.append(write)
             elif write is not None:
-                columns.append(self.head_columns(write, pulled, groups))
+                columns.append(self.head_columns(write, pulled, rows, groups))
         with exact():
             parts = torch.cat(columns, -1) * (weights * scale[rows][:, None])[..., None]
             rest = weights * rest[..., None]  # [n, heads, count]
             self.errors.append(relative_gap(parts.sum(-1) + rest, own))
             return torch.cat([parts, rest[..., None]], -1).flatten(2)
 
-    def head_columns(self, write: tuple, pulled: torch.Tensor, groups: tuple) -> torch.Tensor:
-        """``[n, heads, count, upstream heads (+ 1)]``: an upstream term's heads ``(z [batch, count, H * d],
-        projection, planned)`` along each site's and head's ``pulled`` ``[n, heads, d_model]``, then its bias's
-        column where the term has one (``PlannedTerm.bare``)."""
-        z, projection, term = write
+    def head_columns(self, write: HeadsWrite, pulled: torch.Tensor, rows: torch.Tensor, groups: tuple) -> torch.Tensor:
+        """``[n, heads, count, upstream heads (+ 1)]``: an upstream term's heads along each site's and head's
+        ``pulled`` ``[n, heads, d_model]``, through its frozen post-norm where it has one, then its bias's column
+        where the term has one (``PlannedTerm.bare``); ``rows`` ``[n]`` each site's prompt."""
+        term, post = write.planned, write.post_norm
         n, heads = pulled.shape[:2]
-        back, constant = linear_pullback(projection, pulled.reshape(n * heads, -1), term.transposed)
+        flat = pulled.reshape(n * heads, -1)
+        scale, beta = None, 0.0
+        if post is not None:  # pulled back through the frozen post-norm: its scale per source, its bias a constant
+            with exact():
+                beta = (flat * post.bias.to(flat.device)).sum(-1).view(n, heads, 1, 1)
+                flat = post.probe.center(post.gain.to(flat.device) * flat)
+                scale = post.scale.to(flat.device).view(self.batch, self.count)[rows][:, None, :, None]
+        back, constant = linear_pullback(write.projection, flat, term.transposed)
         with exact():
             back = back.to(pulled.device).view(n, heads, term.parts, term.part_width) * term.multiplier
-            z = z.to(pulled.device).view(self.batch, self.count, term.parts, term.part_width)
+            z = write.z.to(pulled.device).view(self.batch, self.count, term.parts, term.part_width)
             out = per_prompt("nhkd,skd->nhsk", back, z, groups)
+            if scale is not None:
+                out = out * scale
             if "heads" not in term.bare:
-                bias = torch.as_tensor(constant, device=out.device).float() * term.multiplier
-                out = torch.cat([out, bias.reshape(-1).expand(n * heads).reshape(n, heads, 1, 1)
-                                 .expand(n, heads, self.count, 1)], -1)
+                bias = torch.as_tensor(constant, device=out.device).float().reshape(-1)
+                bias = bias.expand(n * heads).reshape(n, heads, 1, 1).expand(n, heads, self.count, 1)
+                if scale is not None:
+                    bias = bias * scale
+                out = torch.cat([out, (bias + beta) * term.multiplier], -1)
             return out
