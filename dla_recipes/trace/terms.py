@@ -233,6 +233,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits))
         if paths is not None:
             paths.after(layer, planned, modes[k], reads[-1])
+        reads[-1].post_norm_io = None  # the post-norm's whole input and output: not kept past its term
         for path, last in last_user.items():
             if last == k:
                 outers[path] = frozen_at(module_at(layer, path), sites)
