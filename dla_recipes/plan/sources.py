@@ -25,7 +25,9 @@ them (``trace.kinds.pattern``); a module without that call, or with inputs it do
 
 ``sources=dict(upstream="block")`` splits each (head, source) part further by the component that wrote the source
 position's stream (``trace.kinds.paths``); ``check_upstream`` refuses the families whose stream is not the plain sum
-of the components' writes, or whose values are not one projection of it through the frozen input norm.
+of the components' writes, or whose values are not one projection of it through the frozen input norm, and with
+``upstream="head"`` those whose heads reach the stream through more than their output projection, a post-norm (frozen
+at its real input: Gemma-2/3, OLMo-2) and a multiplier (``head_maps`` names what else stands there).
 
 Each split block's heads are rebuilt from the pattern (read or recomputed) and values in the trace, ``sum_s A v``
 against the output projection's real input; the largest relative gap is reported with the norm fit errors
