@@ -15,6 +15,8 @@ post-norm and the final norm (each frozen at its real input: the diagonal ``norm
 lm_head's target minus contrast rows. The attribution itself runs on the padded batch.
 """
 
+import copy
+
 import pytest
 import torch
 from conftest import CONTRAST, PROMPTS, TARGET, assert_parts_are_the_models, eager_model
@@ -44,7 +46,8 @@ def diagonal(norm, x: torch.Tensor) -> torch.Tensor:
 def reference_head_paths(model, prompt: str, ids: tuple | None = None) -> tuple[dict, torch.Tensor]:
     """``({label: [heads, length] part}, rest [heads, length])`` of the last block's heads at the prompt's last
     token, each upstream attention split into its heads (see the module docstring); ``ids``: the target's and the
-    contrast's token ids (default TARGET's and CONTRAST's)."""
+    contrast's token ids (default TARGET's and CONTRAST's). A low-precision model's activations are read as it
+    stored them and the arithmetic is float32's, on a float32 copy of its modules."""
     hf = model._module
     blocks = hf.model.layers
     last = blocks[-1]
@@ -71,6 +74,11 @@ def reference_head_paths(model, prompt: str, ids: tuple | None = None) -> tuple[
                   block.post_attention_layernorm.register_forward_hook(keep(f"o{j}", output=False)),
                   block.post_feedforward_layernorm.register_forward_hook(keep(f"L{j}.mlp"))]
     forward_with(model, prompt, hooks)
+    if next(hf.parameters()).dtype != torch.float32:  # the arithmetic on float32 copies of the same weights
+        hf = copy.deepcopy(hf).float()
+        blocks = hf.model.layers
+        last = blocks[-1]
+        in_norm = getattr(last, "input_layernorm", None)
     A = seen["A"][0, :, -1].float()  # [heads, keys] at the last token
     heads, keys = A.shape
     v_proj, o_proj = last.self_attn.v_proj, last.self_attn.o_proj
@@ -159,7 +167,7 @@ def low_precision(family: str, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["gemma3", "olmo2"])
+@pytest.mark.parametrize("family", POST_NORM)
 def test_padded_batch_equals_each_prompt_alone(family, dtype):
     """Each row of the padded batch is its prompt's attribution alone, within both forwards' rounding of its logit
     in the model's dtype (``attribution_bound``, from ``bounds.logit_rounding``); the sources a shorter prompt does
@@ -174,6 +182,19 @@ def test_padded_batch_equals_each_prompt_alone(family, dtype):
         assert batch_ratio(batch.values[b, index][None], alone.values, limit) <= 1, (family, dtype, b)
         rest = sorted(set(range(len(batch.labels))) - set(index))
         assert bool((batch.values[b, rest] == 0).all())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "olmo2"])
+def test_bfloat16_against_the_reference_on_its_own_activations(family):
+    """A bfloat16 model: the path parts by upstream head against the reference computed in float32 from the bf16
+    model's own stored activations (z, the post-norms' inputs, the stream, the pattern). Both are float32 arithmetic
+    on the same stored values, so they agree within float32's rounding of the row's logit (``attribution_bound`` of
+    the float32 model, the same weights before their bf16 rounding), not bfloat16's."""
+    model = low_precision(family, torch.bfloat16)
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="source", sources=HEADS)
+    limit = attribution_bound(eager_model(family), attr, difference(model))
+    worst, largest = check_against_reference(model, attr, PROMPTS, limit)
+    assert largest > 1e-3 and worst <= 1, (family, worst)
 
 
 def test_still_refused_names_what_stands_after_the_projection():
