@@ -1,8 +1,8 @@
-"""The cost of the per-add check (``math.adds``): ``attribute(by="block")`` at batch 16 on SmolLM2, with and without.
+"""The cost of the per-add check (``math.adds``): ``attribute(by="block")`` at batch 16 on SmolLM2, ``check="adds"``
+against the default ``check="logit"`` (the whole-logit bound only, main's reads).
 
-"Without" replaces the trace's ``AddCheck`` by None (the whole-logit bound only, main's reads); each round runs both,
-in alternating order, and the medians of their times and of the per-round ratios are reported (same run, same
-process). Prints one JSON line per dtype.
+Each round runs both, in alternating order; the medians of their times and of the per-round ratios are reported
+(same run, same process). Prints one JSON line per dtype.
 
     OMP_NUM_THREADS=1 python benchmarks/add_check_cost.py --dtypes float32 bfloat16 --rounds 15
 """
@@ -23,7 +23,6 @@ import torch
 
 import dla_recipes
 from dla_recipes import models
-from dla_recipes.trace import recipe
 
 PROMPTS = ["The Eiffel Tower is in the city of", "The capital of France is", "Berlin is the capital of",
            "The opposite of hot is", "One, two, three, four,", "The sun rises in the", "A week has seven",
@@ -32,9 +31,9 @@ PROMPTS = ["The Eiffel Tower is in the city of", "The capital of France is", "Be
            "Cats and dogs are common household", "In 1969, humans first walked on the"]
 
 
-def timed(model, by: str) -> float:
+def timed(model, by: str, check: str) -> float:
     start = time.perf_counter()
-    dla_recipes.attribute(model, PROMPTS, " the", by=by)
+    dla_recipes.attribute(model, PROMPTS, " the", by=by, check=check)
     return time.perf_counter() - start
 
 
@@ -45,16 +44,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    checked = recipe.AddCheck
     for dtype in args.dtypes:
         model = dla_recipes.load(str(models.default_model_path()), dtype=getattr(torch, dtype))
         on, off, ratios = [], [], []
         for k in range(args.rounds + 1):
             pair = {}
             for mode in (("on", "off") if k % 2 else ("off", "on")):
-                recipe.AddCheck = checked if mode == "on" else (lambda: None)
-                pair[mode] = timed(model, args.by)
-            recipe.AddCheck = checked
+                pair[mode] = timed(model, args.by, "adds" if mode == "on" else "logit")
             if k:  # the first round warms both up (the norms are probed once per model)
                 on.append(pair["on"])
                 off.append(pair["off"])

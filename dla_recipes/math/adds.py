@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rounding import UNIT_ROUNDOFF, binade, unit_roundoff
+from .rounding import UNIT_ROUNDOFF, unit_roundoff
 
 U32 = UNIT_ROUNDOFF[torch.float32]
 SLACK = 1.0 + 2.0**-6  # second-order terms of the roundings (products of two u's), with room to spare
@@ -38,8 +38,8 @@ SLACK = 1.0 + 2.0**-6  # second-order terms of the roundings (products of two u'
 
 @dataclass
 class Written:
-    """One term's write as the stream receives it: ``value`` ``[n, d_model]`` float32, ``roundings`` the roundings
-    it goes through after the value read (bias, scale, multiplier), each in ``dtype`` (the read value's)."""
+    """One term's write as the stream receives it: ``value`` ``[n, d_model]`` (the read, in its own ``dtype``, or
+    float32 when ``roundings`` ops were applied after it: a bias, a scale, a multiplier, each rounded in ``dtype``)."""
 
     value: torch.Tensor
     roundings: int = 0
@@ -48,54 +48,72 @@ class Written:
 
 @dataclass
 class AddCheck:
-    """What the trace collects, per checked boundary (each ``[n]``): ``ratios`` (largest gap over allowed rounding
-    over the channels), ``gaps`` (the unexplained write's norm), ``norms`` (the stream's norm there), ``codes``."""
+    """What the trace collects: ``blocks`` ``(index, before, writes, after)`` and ``joins`` ``(index, out, into)``
+    (each stream ``[n, d_model]`` at the sites), reduced all at once after the forward pass (``fields``: a few
+    kernels per group of alike blocks, not a dozen per block)."""
 
-    ratios: list = field(default_factory=list)
-    gaps: list = field(default_factory=list)
-    norms: list = field(default_factory=list)
-    codes: list = field(default_factory=list)
+    blocks: list = field(default_factory=list)
+    joins: list = field(default_factory=list)
     last: tuple | None = None  # (index, output [n, d_model]) of the last block checked, for what reads it next
     dtype: torch.dtype = torch.float32  # the coarsest dtype the streams and writes were in (the activations')
 
     def block(self, index: int, before: torch.Tensor, writes: list[Written], after: torch.Tensor) -> None:
         """Block ``index``'s adds: ``after`` against ``before`` plus ``writes`` (all ``[n, d_model]``)."""
-        total, size, own = before.float(), before.float().abs(), 0.0
         self.dtype = coarsest(self.dtype, before.dtype, after.dtype, *(w.dtype for w in writes))
-        for write in writes:
-            w = write.value.to(total.device).float()
-            total, size = total + w, size + w.abs()
-            if write.roundings:
-                own = own + write.roundings * unit_roundoff(write.dtype) * w.abs()
-        adds = len(writes)
-        allowed = (adds * unit_roundoff(after.dtype) * binade(size) + (2 * adds + 1) * U32 * size + own) * SLACK
-        self._gap(2 * index, after.float() - total, allowed + adds * tiny(after.dtype), after)
+        self.blocks.append((index, before, writes, after))
         self.last = (index, after)
 
     def between(self, index: int, out: torch.Tensor, into: torch.Tensor) -> None:
         """The stream leaving block ``index`` (``out``) against what reads it next (``into``): equal."""
-        self._gap(2 * index + 1, into.float() - out.float().to(into.device), tiny(into.dtype), into)
-
-    def _gap(self, code: int, gap: torch.Tensor, allowed, stream: torch.Tensor) -> None:
-        self.ratios.append((gap.abs() / allowed).amax(-1))
-        self.gaps.append(gap.double().norm(dim=-1).float())
-        self.norms.append(stream.double().norm(dim=-1).float())
-        self.codes.append(code)
+        self.joins.append((index, out, into))
 
     def fields(self) -> dict:
         """The ``Readout`` fields (``[n]`` on the device), or ``{}`` when no boundary was checked."""
-        if not self.ratios:
+        groups: dict = {}  # blocks alike in their terms' roundings and dtypes: reduced together
+        for entry in self.blocks:
+            _, before, writes, after = entry
+            key = (before.dtype, after.dtype, tuple((w.roundings, w.dtype, w.value.dtype) for w in writes))
+            groups.setdefault(key, []).append(entry)
+        parts = [block_gaps(entries) for entries in groups.values()]
+        if self.joins:
+            out = torch.stack([o for _, o, _ in self.joins]).float()
+            into = torch.stack([i for _, _, i in self.joins])
+            gap = into.float() - out.to(into.device)
+            parts.append(([2 * i + 1 for i, _, _ in self.joins], gap.abs().amax(-1) / tiny(into.dtype), gap, into))
+        if not parts:
             return {}
-        ratios = torch.stack(self.ratios, -1)  # [n, boundaries]
-        nan = torch.isnan(ratios)  # a non-finite stream: the self-check's NonFiniteError names it, not this
-        ratios = torch.where(nan, torch.zeros_like(ratios), ratios)
-        failed = ratios > 1
-        first = torch.argmax(failed.to(torch.uint8), -1)  # the first boundary that fails, in forward order
-        pick = torch.where(failed.any(-1), first, torch.argmax(ratios, -1)).unsqueeze(-1)
-        codes = torch.stack([torch.full_like(ratios[:, 0], float(c)) for c in self.codes], -1)  # filled, not copied
-        return {"add_ratio": ratios.gather(-1, pick)[:, 0], "add_where": codes.gather(-1, pick)[:, 0],
-                "add_gap": torch.stack(self.gaps, -1).gather(-1, pick)[:, 0],
-                "add_norm": torch.stack(self.norms, -1).gather(-1, pick)[:, 0]}
+        codes = [c for p in parts for c in p[0]]
+        ratios = torch.cat([p[1] for p in parts])  # [boundaries, n]
+        ratios = torch.where(torch.isnan(ratios), torch.zeros_like(ratios), ratios)  # NaN: NonFiniteError's
+        code = torch.tensor(codes, dtype=torch.float32).to(ratios.device)  # after the forward pass: no wait in it
+        key = torch.where(ratios > 1, 1e30 - code.unsqueeze(-1), ratios.clamp(max=1))  # the first failing, else worst
+        pick = torch.argmax(key, 0)  # [n]
+        gaps, streams = (torch.cat([p[k] for p in parts]) for k in (2, 3))  # [boundaries, n, d_model]
+        rows = torch.arange(pick.shape[0], device=pick.device)
+        gap, stream = gaps[pick, rows].double(), streams[pick, rows].double()  # [n, d_model]: float64, no overflow
+        return {"add_ratio": ratios.gather(0, pick.unsqueeze(0))[0], "add_where": code[pick],
+                "add_gap": gap.norm(dim=-1).float(), "add_norm": stream.norm(dim=-1).float()}
+
+
+def block_gaps(entries: list) -> tuple:
+    """``(codes, ratios [blocks, n], gaps, streams [blocks, n, d_model])`` of blocks alike (``AddCheck.fields``)."""
+    before = torch.stack([b for _, b, _, _ in entries]).float()  # [blocks, n, d_model]
+    after = torch.stack([a for _, _, _, a in entries])
+    total, size, own = before, before.abs(), 0.0
+    for k, write in enumerate(entries[0][2]):
+        w = torch.stack([ws[k].value for _, _, ws, _ in entries]).float().to(total.device)
+        total, size = total + w, size + w.abs()
+        if write.roundings:
+            own = own + write.roundings * unit_roundoff(write.dtype) * w.abs()
+    adds = len(entries[0][2])
+    allowed = (adds * unit_roundoff(after.dtype) * float_binade(size) + (2 * adds + 1) * U32 * size + own) * SLACK
+    gap = after.float() - total
+    return [2 * i for i, _, _, _ in entries], (gap.abs() / (allowed + adds * tiny(after.dtype))).amax(-1), gap, after
+
+
+def float_binade(x: torch.Tensor) -> torch.Tensor:
+    """``2^floor(log2 x)`` of a float32 ``x >= 0``: its exponent bits alone (0 for a subnormal: ``tiny`` covers it)."""
+    return (x.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def coarsest(*dtypes: torch.dtype) -> torch.dtype:

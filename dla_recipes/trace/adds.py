@@ -1,4 +1,5 @@
-"""In the trace, what the per-add check (``math.adds``) reads: which blocks it checks, and each term's write as added.
+"""In the trace, what the per-add check (``math.adds``) reads: which blocks it checks, and each term's write as added;
+and the dtype the activations had (the precision every bound of the self-check is sized by).
 
 A block is checked when its stream is nothing but the block's input plus its terms' writes: no term acts on the
 stream itself (``Term.stream``: a norm, scale, bias or multiplier on the stream, as on MiniMax, RWKV's block 0,
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..families import Stream
-from ..math.adds import AddCheck, Written
+from ..math.adds import AddCheck, Written, coarsest
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .readers import param
 
@@ -36,8 +37,11 @@ def checked_blocks(plan: Plan, stop: Stop | None = None) -> frozenset[int]:
 
 def written_at(layer, planned: PlannedTerm, value: torch.Tensor) -> Written:
     """The term's write ``[n, d_model]`` as the stream receives it, from ``value`` (its output read at the sites):
-    ``(value + bias) * scale * multiplier``, in float32, with the roundings those take in the model."""
+    ``(value + bias) * scale * multiplier``, in float32, with the roundings those take in the model (none: the read
+    itself, converted when the check runs)."""
     write = planned.term.write
+    if write.bias is None and write.scale is None and planned.multiplier == 1.0:
+        return Written(value, 0, value.dtype)
     w, roundings = value.float(), 0
     if write.bias is not None:
         w, roundings = w + param(layer, write.bias).to(w.device), roundings + 1
@@ -55,3 +59,18 @@ def final_read(adds: AddCheck | None, plan: Plan, stream: torch.Tensor) -> None:
     if (adds is not None and adds.last is not None and adds.last[0] == len(plan.layers) - 1
             and plan.family.final_norm == "module" and plan.family.collapse is None):
         adds.between(adds.last[0], adds.last[1], stream)
+
+
+def low_precision(model) -> bool:
+    """The model computes in bfloat16 or float16: its parameters are, or it runs under autocast (the bounds are
+    then sized by the dtype its activations really had: ``activations_dtype``)."""
+    weight = model.lm_head.weight
+    return weight.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(weight.device.type)
+
+
+def activations_dtype(model, *read: torch.dtype) -> torch.dtype:
+    """The dtype the forward pass computed in: the coarsest of the dtypes of activations ``read`` in the trace and
+    of the autocast running it (server side on NDIF, where the client's model has no weights), not the
+    parameters' (a float32 model under ``torch.autocast`` to bfloat16 computes in bfloat16)."""
+    device = model.lm_head.weight.device.type
+    return coarsest(*read, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32)

@@ -41,15 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..args import Granularity, check_granularity
-from ..math.adds import AddCheck, coarsest
+from ..args import Check, Granularity, check_granularity
+from ..math.adds import AddCheck
 from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from ..math.linalg import dot, exact
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
-from .adds import checked_blocks, final_read
+from .adds import activations_dtype, checked_blocks, final_read, low_precision
 from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
@@ -72,11 +72,6 @@ def final_direction(model, plan: Plan, target: LinearTarget):
     direction = plan.logit_scale * probe.center(probe.gain * rows)
     constant = plan.logit_scale * (dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
     return probe, direction, constant, own
-
-
-def low_precision(model) -> bool:
-    """The model's parameters are bfloat16 or float16."""
-    return model.lm_head.weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -214,6 +209,7 @@ def direct_logit_attribution(
     offsets: torch.Tensor | None = None,
     edits: bool = False,
     rows: torch.Tensor | None = None,
+    check: Check = "logit",
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
@@ -229,6 +225,8 @@ def direct_logit_attribution(
         edits: the forward pass may be edited (``intervene=``, ``trace_attribution``): each split term has an
             ``.edit`` column, what it wrote beyond its parts and bias (``plan.components(by, edits=True)``).
         rows: ``[n]`` long, each site's prompt (its row of the batch); None: one site per prompt, ``n = batch``.
+        check: ``"adds"``: also read what the per-add check needs (``math.adds``; ``"logit"``: the whole logit's
+            bound only).
     """
     check_granularity(by)
     with torch.no_grad():
@@ -236,10 +234,8 @@ def direct_logit_attribution(
         probe, direction, constant, head_rows = final_direction(model, plan, target)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        # (and wherever the per-add check reads every term's write: the activations' dtype is known only after the
-        # forward pass, a float32 model under autocast computes in bfloat16)
-        adds = AddCheck()
-        rounding = Rounding() if adds is not None or low_precision(model) else None
+        adds = AddCheck() if check == "adds" else None
+        rounding = Rounding() if low_precision(model) else None
         patterns: list = []
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
@@ -267,7 +263,7 @@ def direct_logit_attribution(
         head_error = linear_targets.head_error(target, head, own, lambda z: softcap(z * plan.logit_scale, plan.softcap))
         logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
         size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
-        computed = coarsest(head_out.dtype, *(() if adds is None else (adds.dtype,)))  # the activations' dtype
+        computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
         checks = rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
                                  computed_in=computed)  # reads the scores unscaled
         scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
@@ -288,6 +284,7 @@ def direction_attribution(
     reads: str,
     by: Granularity = "block",
     rows: torch.Tensor | None = None,
+    check: Check = "logit",
 ) -> Readout:
     """Attribute ``norm(stream) @ direction`` inside a trace, where ``norm`` (the module at ``reads`` in block
     ``stop[0]``) reads the stream at ``stop``: the terms written before it, through the norm frozen at its input.
@@ -297,6 +294,7 @@ def direction_attribution(
             per site.
         stop: ``plan.stop_before(layer, sublayer)``; reads: that sublayer's ``Term.reads``.
         rows: ``[n]`` each site's prompt (None: one site per prompt), as in ``direct_logit_attribution``.
+        check: as in ``direct_logit_attribution``.
     """
     check_granularity(by)
     with torch.no_grad():
@@ -306,12 +304,12 @@ def direction_attribution(
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        adds = AddCheck()
-        rounding = Rounding() if adds is not None or low_precision(model) else None
+        adds = AddCheck()  # passed to decompose only with check="adds" (else it stays empty)
+        rounding = Rounding() if low_precision(model) else None
         pulled = probe.center(probe.gain * v)
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows,
-                                              room=room, adds=adds)
+                                              room=room, adds=adds if check == "adds" else None)
         scores = buffer[:, :buffer.shape[1] - room]
         stream = at(read_site(norm, "input", sites.batch), sites)
         output = at(read_site(norm, "output", sites.batch), sites)
@@ -320,7 +318,7 @@ def direction_attribution(
         own = dot(output, v)  # the model's own normed stream, read along the direction
         checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
                                  len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
-                                 computed_in=coarsest(output.dtype, adds.dtype))  # reads the scores unscaled
+                                 computed_in=activations_dtype(model, output.dtype, adds.dtype))
         scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1))  # in place
         return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale,
@@ -340,11 +338,12 @@ class LogitCall:
     offsets: torch.Tensor | None = None
     edits: bool = False
     rows: torch.Tensor | None = None
+    check: Check = "logit"
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
         return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets, self.edits, self.rows)
+                                        self.sources, self.offsets, self.edits, self.rows, self.check)
 
 
 @dataclass(frozen=True)
@@ -358,11 +357,12 @@ class DirectionCall:
     reads: str
     by: Granularity
     rows: torch.Tensor | None = None
+    check: Check = "logit"
 
     def run(self, model) -> Readout:
         """The attribution of this batch's direction, inside the running trace of ``model``."""
         return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
-                                     self.rows)
+                                     self.rows, self.check)
 
 
 @dataclass
