@@ -7,8 +7,8 @@ directions and along the attributed logit's direction (``lm_head``'s target row 
 ``dla_recipes.attribute(..., by="block")`` is called on a few prompts: a write is caught when the call raises
 ``ExactnessError``; a returned attribution is a miss. Writes a markdown table (caught / tried per cell) and JSON.
 
-    OMP_NUM_THREADS=1 python benchmarks/hidden_writes.py --models smollm2 --dtypes float32 bfloat16 float16 \\
-        --out benchmarks/HIDDEN_WRITES.md --label after
+    OMP_NUM_THREADS=1 python benchmarks/hidden_writes.py --models smollm2 gemma3 --randoms 2 --check adds \\
+        --label "after, check='adds'" --out after.md
 
 Works on ``main`` before the per-add check (it needs only ``dla_recipes.attribute``), so the same script measures
 before and after.
@@ -72,13 +72,20 @@ def directions(model, seed: int, randoms: int) -> list[tuple[str, torch.Tensor]]
     return [(name, v / v.norm()) for name, v in out]
 
 
-def caught(model, layer: int, vector: torch.Tensor, site: str = "block") -> tuple[bool, str]:
-    """Whether attributing with ``vector`` added to ``layer``'s output (``site="mlp"``: its MLP's) raises
-    ``ExactnessError`` (and its message)."""
+def sublayer(block):
+    """The module whose output the stream receives from the MLP: its post-norm where the family has one (Gemma-3's
+    ``post_feedforward_layernorm``: a hook on the MLP itself changes what the post-norm reads, which the MLP's part
+    then includes), else the MLP."""
+    return getattr(block, "post_feedforward_layernorm", None) or block.mlp
+
+
+def caught(model, layer: int, vector: torch.Tensor, site: str = "block", check: dict | None = None) -> tuple[bool, str]:
+    """Whether attributing with ``vector`` added to ``layer``'s output (``site="mlp"``: to what its MLP writes)
+    raises ``ExactnessError`` (and its message); ``check``: extra keyword arguments of ``attribute``."""
     module = hf_layers(model)[layer]
-    handle = (module.mlp if site == "mlp" else module).register_forward_hook(adding(vector))
+    handle = (sublayer(module) if site == "mlp" else module).register_forward_hook(adding(vector))
     try:
-        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block")
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block", **(check or {}))
         return False, ""
     except dla_recipes.ExactnessError as error:
         return True, str(error)[:300]
@@ -86,12 +93,12 @@ def caught(model, layer: int, vector: torch.Tensor, site: str = "block") -> tupl
         handle.remove()
 
 
-def sweep(name: str, dtype: torch.dtype, randoms: int, sites=("block", "mlp")) -> list[dict]:
+def sweep(name: str, dtype: torch.dtype, randoms: int, check: dict, sites=("block", "mlp")) -> list[dict]:
     model = dla_recipes.load(str(PATHS[name]()), dtype=dtype, dispatch=True, device_map="cpu")
     n = len(hf_layers(model))
     norms = median_norms(model)
     records = []
-    healthy = caught(model, 0, torch.zeros(model._module.lm_head.weight.shape[-1]))
+    healthy = caught(model, 0, torch.zeros(model._module.lm_head.weight.shape[-1]), "block", check)
     for site in sites:
         records.append({"model": name, "dtype": str(dtype)[6:], "site": site, "layer": -1, "size": 0.0,
                         "direction": "none", "caught": healthy[0], "message": healthy[1]})
@@ -99,7 +106,7 @@ def sweep(name: str, dtype: torch.dtype, randoms: int, sites=("block", "mlp")) -
         for layer in (1, n // 2, n - 2):
             for size in SIZES:
                 for direction, v in directions(model, layer, randoms):
-                    hit, message = caught(model, layer, size * norms[layer] * v, site)
+                    hit, message = caught(model, layer, size * norms[layer] * v, site, check)
                     records.append({"model": name, "dtype": str(dtype)[6:], "site": site, "layer": layer,
                                     "size": size, "direction": direction, "caught": hit, "message": message})
                     print(json.dumps({k: records[-1][k] for k in ("model", "dtype", "site", "layer", "size",
@@ -135,6 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     parser.add_argument("--randoms", type=int, default=3, help="random directions per cell (plus the logit's)")
     parser.add_argument("--label", default="after")
+    parser.add_argument("--check", default=None, help="attribute(check=...): 'adds' (main has no such argument)")
     parser.add_argument("--out", default="hidden_writes.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -143,7 +151,7 @@ def main(argv=None) -> None:
         for dtype in args.dtypes:
             if name == "gemma3" and dtype == "float16":
                 continue  # overflows: NonFiniteError on every call (benchmarks/FALSE_ALARMS.md)
-            records += sweep(name, getattr(torch, dtype), args.randoms)
+            records += sweep(name, getattr(torch, dtype), args.randoms, {} if args.check is None else {"check": args.check})
     with open(args.out, "w") as f:
         f.write(table(records, args.label))
     with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
