@@ -33,7 +33,7 @@ from dla_recipes import models
 PATHS = {"smollm2": models.default_model_path, "gemma3": models.gemma3_270m_path}
 PROMPTS = ["The Eiffel Tower is in the city of", "The capital of Italy is", "Berlin is the capital of"]
 TARGET, CONTRAST = " Paris", " Rome"
-SIZES = (0.003, 0.01, 0.03, 0.1)
+SIZES = (0.0003, 0.001, 0.003, 0.01, 0.03, 0.1)
 
 
 def hf_layers(model):
@@ -108,7 +108,8 @@ def sweep(name: str, dtype: torch.dtype, randoms: int, check: dict, sites=("bloc
                 for direction, v in directions(model, layer, randoms):
                     hit, message = caught(model, layer, size * norms[layer] * v, site, check)
                     records.append({"model": name, "dtype": str(dtype)[6:], "site": site, "layer": layer,
-                                    "size": size, "direction": direction, "caught": hit, "message": message})
+                                    "size": size, "direction": direction, "caught": hit, "message": message,
+                                    "names_its_block": f"block {layer}'s" in message})
                     print(json.dumps({k: records[-1][k] for k in ("model", "dtype", "site", "layer", "size",
                                                                     "direction", "caught")}), flush=True)
     return records
@@ -133,6 +134,9 @@ def table(records: list[dict], label: str) -> str:
             cells.append(f"{sum(r['caught'] for r in rand)}/{len(rand)} + {'caught' if logit and logit[0]['caught'] else 'missed'}")
         alarm = "false alarm" if healthy and healthy[0]["caught"] else "ok"
         lines.append(f"| {model} | {dtype} | {site} output | {layer} | {alarm} | " + " | ".join(cells) + " |")
+    caught = [r for r in records if r["layer"] >= 0 and r["caught"]]
+    named = sum(r["names_its_block"] for r in caught)
+    lines += ["", f"{named} of the {len(caught)} errors raised name the hooked block (\"block i's ...\")."]
     return "\n".join(lines) + "\n"
 
 

@@ -256,3 +256,29 @@ def test_real_float32_model_under_autocast():
     total = attr.values.double().sum(-1) + attr.constant.double()
     bound = attr.diagnostics["bound"].double()
     assert bool(((total - torch.tensor(own, dtype=torch.float64)).abs() <= 2 * bound).all()), (total, own, bound)
+
+
+@pytest.mark.parametrize(("family", "by"), cover(FAST_FAMILIES, ("block", "head"), per_family=1))
+def test_the_add_check_never_waits_for_the_device(family, by):
+    """``check="adds"`` (bfloat16, a padded batch, the second call): no wait and no upload while the forward runs,
+    counted as a GPU would see them (``test_syncs``); its reads are at the sites, never a whole activation."""
+    from test_syncs import PROMPTS as PADDED
+    from test_syncs import bf16_model, counting, waits
+
+    model = bf16_model(family)
+    call = lambda: dla_recipes.attribute(model, PADDED, "w20", contrast="w21", by=by, check="adds")  # noqa: E731
+    counting(model, call)  # the first call probes the norms
+    _, traces = counting(model, call)
+    assert traces
+    for counts in traces:
+        assert waits(counts) == [], (family, by, waits(counts))
+        full = len(PADDED) * 10 * model.lm_head.weight.shape[-1]
+        assert counts.largest_widening("recipe") < full, (family, by, counts.largest_widening("recipe"), full)
+    # attribute_direction stops inside the forward, so its end (the copy of its result) is mid-forward: none of the
+    # per-add check's own work may wait there
+    d = torch.ones(model.lm_head.weight.shape[-1])
+    direction = lambda: dla_recipes.attribute_direction(model, PADDED, d, layer=2, check="adds")  # noqa: E731
+    counting(model, direction)
+    _, traces = counting(model, direction)
+    mine = [w for counts in traces for w in waits(counts) if "adds.py" in w[1]]
+    assert mine == [], mine

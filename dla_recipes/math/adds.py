@@ -85,7 +85,7 @@ class AddCheck:
         codes = [c for p in parts for c in p[0]]
         ratios = torch.cat([p[1] for p in parts])  # [boundaries, n]
         ratios = torch.where(torch.isnan(ratios), torch.zeros_like(ratios), ratios)  # NaN: NonFiniteError's
-        code = torch.tensor(codes, dtype=torch.float32).to(ratios.device)  # after the forward pass: no wait in it
+        code = torch.cat([filled(p[0], ratios.device) for p in parts])  # [boundaries], made on the device
         key = torch.where(ratios > 1, 1e30 - code.unsqueeze(-1), ratios.clamp(max=1))  # the first failing, else worst
         pick = torch.argmax(key, 0)  # [n]
         gaps, streams = (torch.cat([p[k] for p in parts]) for k in (2, 3))  # [boundaries, n, d_model]
@@ -109,6 +109,14 @@ def block_gaps(entries: list) -> tuple:
     allowed = (adds * unit_roundoff(after.dtype) * float_binade(size) + (2 * adds + 1) * U32 * size + own) * SLACK
     gap = after.float() - total
     return [2 * i for i, _, _, _ in entries], (gap.abs() / (allowed + adds * tiny(after.dtype))).amax(-1), gap, after
+
+
+def filled(codes: list[int], device) -> torch.Tensor:
+    """``codes`` as a float32 tensor made on ``device`` (an arange, or one fill each): no copy from the host, which
+    would make it wait for the device (the forward may still run: ``attribute_direction`` stops inside it)."""
+    if len(codes) > 1 and all(b - a == 2 for a, b in zip(codes, codes[1:])):
+        return torch.arange(codes[0], codes[-1] + 1, 2, dtype=torch.float32, device=device)
+    return torch.stack([torch.full((), float(c), device=device) for c in codes])
 
 
 def float_binade(x: torch.Tensor) -> torch.Tensor:
