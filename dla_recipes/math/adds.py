@@ -27,6 +27,7 @@ self-check raises ``ExactnessError`` naming that boundary: ``add_where = 2 * i``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -82,7 +83,6 @@ class AddCheck:
             parts.append(([2 * i + 1 for i, _, _ in self.joins], gap.abs().amax(-1) / tiny(into.dtype), gap, into))
         if not parts:
             return {}
-        codes = [c for p in parts for c in p[0]]
         ratios = torch.cat([p[1] for p in parts])  # [boundaries, n]
         ratios = torch.where(torch.isnan(ratios), torch.zeros_like(ratios), ratios)  # NaN: NonFiniteError's
         code = torch.cat([filled(p[0], ratios.device) for p in parts])  # [boundaries], made on the device
@@ -114,7 +114,7 @@ def block_gaps(entries: list) -> tuple:
 def filled(codes: list[int], device) -> torch.Tensor:
     """``codes`` as a float32 tensor made on ``device`` (an arange, or one fill each): no copy from the host, which
     would make it wait for the device (the forward may still run: ``attribute_direction`` stops inside it)."""
-    if len(codes) > 1 and all(b - a == 2 for a, b in zip(codes, codes[1:])):
+    if len(codes) > 1 and all(b - a == 2 for a, b in pairwise(codes)):
         return torch.arange(codes[0], codes[-1] + 1, 2, dtype=torch.float32, device=device)
     return torch.stack([torch.full((), float(c), device=device) for c in codes])
 
