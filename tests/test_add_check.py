@@ -266,7 +266,7 @@ def test_the_add_check_never_waits_for_the_device(family, by):
     from test_syncs import bf16_model, counting, waits
 
     model = bf16_model(family)
-    call = lambda: dla_recipes.attribute(model, PADDED, "w20", contrast="w21", by=by, check="adds")  # noqa: E731
+    call = lambda: dla_recipes.attribute(model, PADDED, "w20", contrast="w21", by=by, check="adds")
     counting(model, call)  # the first call probes the norms
     _, traces = counting(model, call)
     assert traces
@@ -277,7 +277,7 @@ def test_the_add_check_never_waits_for_the_device(family, by):
     # attribute_direction stops inside the forward, so its end (the copy of its result) is mid-forward: none of the
     # per-add check's own work may wait there
     d = torch.ones(model.lm_head.weight.shape[-1])
-    direction = lambda: dla_recipes.attribute_direction(model, PADDED, d, layer=2, check="adds")  # noqa: E731
+    direction = lambda: dla_recipes.attribute_direction(model, PADDED, d, layer=2, check="adds")
     counting(model, direction)
     _, traces = counting(model, direction)
     mine = [w for counts in traces for w in waits(counts) if "adds.py" in w[1]]
