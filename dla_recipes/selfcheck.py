@@ -15,7 +15,7 @@
    ``diagnostics["split_rounding"]`` and not counted against step 4. A call that may carry an edit
    (``intervene=``, ``trace_attribution``) has each split term's gap as a column of its own instead
    (``L3.mlp.edit``), so there is nothing to hold here.
-4. **The adds** (``math.adds``, derived bound only): at each block the family table lets it check, the stream
+4. **The adds** (``math.adds``; with ``check="adds"``, derived bound only): at each block the family table lets it check, the stream
    leaving the block must be the stream entering it plus what its terms wrote, channel by channel, within the
    adds' own rounding (half an ulp of each add's result in the stream's dtype, plus the recipe's float32 sum),
    and the next block (or the final norm) must read that stream unchanged. A write no component made (a torch

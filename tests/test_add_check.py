@@ -282,3 +282,29 @@ def test_the_add_check_never_waits_for_the_device(family, by):
     _, traces = counting(model, direction)
     mine = [w for counts in traces for w in waits(counts) if "adds.py" in w[1]]
     assert mine == [], mine
+
+
+def test_reduce_stats_keeps_the_site_whose_adds_fail():
+    """``reduce="stats"`` sends back only the rows nearest to failing: a site whose adds fail is one of them, so the
+    self-check on those rows raises as on all of them (here a small write off the logit's direction, at one prompt
+    only, so its sum is no nearer to failing than the others')."""
+    model = model_in("llama", torch.bfloat16)
+    prompts = PROMPTS * 3  # 9 sites, the stats keep 4 rows
+    dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="block", reduce="stats", check="adds")
+    norms = stream_norms(model)
+    both = directions(model, model.lm_head.weight.shape[-1], 2)
+    v = both["random"] - (both["random"] @ both["logit"]) * both["logit"]  # off the logit: its sum stays in bound
+    v = 0.001 * norms[1] * v / v.norm()
+
+    def hook(module, args, output):  # the write at the last prompt only (row 8 of the batch)
+        out = output[0] if isinstance(output, tuple) else output
+        out = out.clone()
+        out[-1] = out[-1] + v.to(out.dtype)
+        return (out,) + tuple(output[1:]) if isinstance(output, tuple) else out
+
+    handle = sublayer_module(model, 1).register_forward_hook(hook)
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match="block 1's residual adds"):
+            dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="block", reduce="stats", check="adds")
+    finally:
+        handle.remove()
