@@ -142,7 +142,8 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
-        ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit).
+        ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit) and, with
+        ``check="adds"``, ``add_rounding`` ``[batch]`` (the largest ratio of an add's gap to its own rounding).
     """
     dtype = computed_dtype(readout, dtype)
     _nonfinite(readout, labels, plan, dtype)
@@ -176,6 +177,8 @@ def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None
     derived = floor + precision
     bound = derived if tolerance is None else relative_bound(readout.logit, tolerance)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
+    if bool((readout.add_where.reshape(-1) >= 0).any()):  # check="adds": each row's worst add, over its rounding
+        diagnostics["add_rounding"] = readout.add_ratio.reshape(-1).expand_as(bound)
     _check_head(readout, plan, u, tolerance)
     if by == "source":
         _check_pattern(readout, plan, u, edits)

@@ -308,3 +308,23 @@ def test_reduce_stats_keeps_the_site_whose_adds_fail():
             dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="block", reduce="stats", check="adds")
     finally:
         handle.remove()
+
+
+@pytest.mark.server
+def test_remote_check_adds_equals_local(tmp_path):
+    """``check="adds"`` travels with the request: on a loopback server run as NDIF runs a request (bfloat16, sdpa,
+    under autocast) the attribution and its self-check's bound equal the same local model's under the same bracket."""
+    from conftest import serve_tiny, single_threaded
+
+    with serve_tiny(tmp_path, ("llama",), ndif=True) as server:
+        with server.client():
+            remote = dla_recipes.attribute(server.remote_model("llama"), PROMPTS, TARGET, contrast=CONTRAST,
+                                           by="head", remote=True, check="adds")
+        with single_threaded(), server.bracket():
+            local = dla_recipes.attribute(server.local_model("llama", dispatch=True), PROMPTS, TARGET,
+                                          contrast=CONTRAST, by="head", check="adds")
+    assert torch.equal(remote.values, local.values), float((remote.values - local.values).abs().max())
+    assert torch.equal(remote.diagnostics["bound"], local.diagnostics["bound"])
+    # the adds were checked server side: each row's worst add, over its own rounding, as the local one
+    assert torch.equal(remote.diagnostics["add_rounding"], local.diagnostics["add_rounding"])
+    assert bool((remote.diagnostics["add_rounding"] > 0).all() & (remote.diagnostics["add_rounding"] <= 1).all())
