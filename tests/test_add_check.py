@@ -3,9 +3,10 @@
 A hidden write is a vector added by a plain torch forward hook (not ``intervene=``) to a block's output or to what
 a sublayer writes (the module whose output the family table reads as the term: the MLP, or its post-norm), sized
 as a fraction of the median norm of the stream leaving that block (a plain forward), in a seeded random direction
-or along the logit's (``lm_head``'s target row minus its contrast row). The stated threshold is 1% of the stream's
-norm, at every checked block, in float32, bfloat16 and float16 (``benchmarks/HIDDEN_WRITES.md`` has the table):
-at and above it, every write raises ``ExactnessError`` naming its block; a healthy call never raises. A write to a
+or along the logit's (``lm_head``'s target row minus its contrast row), at 0.3%, 1%, 3% and 10% of it. The stated
+threshold is 0.3% of the stream's norm, at every checked block, in float32, bfloat16 and float16: at and above it,
+every write raises ``ExactnessError`` naming its block, and a healthy call never raises (on SmolLM2 and Gemma-3
+``benchmarks/HIDDEN_WRITES.md`` measured every write caught from 0.03%, the smallest size it tries). A write to a
 block's output is held to no change at all (what the next block reads must be the stream the block wrote), a
 write to a sublayer's output to the rounding of the block's adds, channel by channel (``dla_recipes.math.adds``).
 
@@ -28,8 +29,8 @@ from dla_recipes.plan.build import module_at
 from dla_recipes.testing import tiny
 from dla_recipes.trace.adds import checked_blocks
 
-THRESHOLD = 0.01  # of the stream's norm: caught at and above it (stated in the README and the check's docstring)
-SIZES = (THRESHOLD, 0.1)
+THRESHOLD = 0.003  # of the stream's norm: caught at and above it (the module docstring)
+SIZES = (THRESHOLD, 0.01, 0.03, 0.1)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # a parallel block, a multiplier on each write, sandwich norms, a hybrid mixer with parallel MLP, routed experts
 MORE = ("cohere", "granite", "olmo2", "falcon_h1", "qwen2_moe", "phi", "bloom", "mamba")
