@@ -329,3 +329,21 @@ def test_remote_check_adds_equals_local(tmp_path):
     # the adds were checked server side: each row's worst add, over its own rounding, as the local one
     assert torch.equal(remote.diagnostics["add_rounding"], local.diagnostics["add_rounding"])
     assert bool((remote.diagnostics["add_rounding"] > 0).all() & (remote.diagnostics["add_rounding"] <= 1).all())
+
+
+def test_an_edit_through_intervene_is_a_components():
+    """An edit of a sublayer's output passed as ``intervene=`` is that sublayer's write (the adds hold, and the parts
+    sum to the edited model's logit); an edit of the stream itself is a write no component made, named at its block."""
+    model = model_in("llama", torch.bfloat16)
+
+    def steer(m):
+        m.layers[1].mlp.output = m.layers[1].mlp.output + 0.05
+
+    def edit_stream(m):
+        m.layers[1].output = m.layers[1].output + 0.05
+
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron", intervene=steer, check="adds")
+    assert bool((attr.diagnostics["add_rounding"] <= 1).all())
+    with pytest.raises(dla_recipes.ExactnessError, match="block 1's residual adds.*edit a sublayer's output"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block", intervene=edit_stream,
+                              check="adds")
