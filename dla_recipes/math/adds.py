@@ -56,7 +56,7 @@ class AddCheck:
     blocks: list = field(default_factory=list)
     joins: list = field(default_factory=list)
     last: tuple | None = None  # (index, output [n, d_model]) of the last block checked, for what reads it next
-    dtype: torch.dtype = torch.float32  # the coarsest dtype the streams and writes were in (the activations')
+    dtype: torch.dtype = torch.float64  # the coarsest dtype the streams and writes were in (the activations')
 
     def block(self, index: int, before: torch.Tensor, writes: list[Written], after: torch.Tensor) -> None:
         """Block ``index``'s adds: ``after`` against ``before`` plus ``writes`` (all ``[n, d_model]``)."""

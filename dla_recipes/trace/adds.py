@@ -69,8 +69,10 @@ def low_precision(model) -> bool:
 
 
 def activations_dtype(model, *read: torch.dtype) -> torch.dtype:
-    """The dtype the forward pass computed in: the coarsest of the dtypes of activations ``read`` in the trace and
-    of the autocast running it (server side on NDIF, where the client's model has no weights), not the
-    parameters' (a float32 model under ``torch.autocast`` to bfloat16 computes in bfloat16)."""
-    device = model.lm_head.weight.device.type
-    return coarsest(*read, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32)
+    """The dtype the forward pass computed in: the coarsest of the parameters' dtype, the dtypes of activations
+    ``read`` in the trace and the autocast running it (server side on NDIF, where the client's model has no
+    weights): a float32 model under ``torch.autocast`` to bfloat16 computes in bfloat16."""
+    weight = model.lm_head.weight
+    device = weight.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return coarsest(weight.dtype, *read, autocast)
