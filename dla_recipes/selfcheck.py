@@ -231,7 +231,8 @@ def _check_adds(readout, plan, dtype: torch.dtype, edits: bool, names) -> None:
     code = float(readout.add_where.reshape(-1).expand_as(ratio)[worst])
     gap, norm = float(readout.add_gap.reshape(-1).expand_as(ratio)[worst]), float(readout.add_norm.reshape(-1).expand_as(ratio)[worst])
     block, between = divmod(int(code), 2)
-    held = ("which must reach it unchanged" if between else
+    reader = "the final norm" if block == len(plan.layers) - 1 else f"block {block + 1}"
+    held = (f"where {reader} must read block {block}'s output unchanged" if between else
             f"{float(ratio[worst]):.3g}x what the adds' own {dtype} rounding allows channel by channel")
     raise ExactnessError(
         f"family {plan.family.name!r}: a write no component made is in {add_site(code, len(plan.layers))}: a vector "
