@@ -92,10 +92,13 @@ def make_calls(model, n: int) -> list[tuple[str, int, int, str]]:
     return [(p, t, c, GRANULARITIES[k % len(GRANULARITIES)]) for k, (p, t, c) in enumerate(calls)]
 
 
+CHECK: dict = {}  # extra keyword arguments of attribute (--check adds: check="adds"; main has no such argument)
+
+
 def run_one(model, prompts, targets, contrasts, by) -> list[dict]:
     """Attribute a batch; one record per call: ok (gap, bound) or the error's class and message."""
     try:
-        attr = dla_recipes.attribute(model, list(prompts), list(targets), contrast=list(contrasts), by=by)
+        attr = dla_recipes.attribute(model, list(prompts), list(targets), contrast=list(contrasts), by=by, **CHECK)
     except dla_recipes.DLAError as error:
         if type(error).__name__ == "NonFiniteError":  # the model overflows: every call of the batch is refused
             return [{"outcome": "NonFiniteError", "message": str(error)[:400]} for _ in prompts]
@@ -151,7 +154,10 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--batch", type=int, default=10, help="calls per attribute() (a failing batch is split)")
     parser.add_argument("--out", default="false_alarms.json")
+    parser.add_argument("--check", default=None, help="attribute(check=...): 'adds', the per-add check")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        CHECK["check"] = args.check
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     results = []
     for name in args.models:

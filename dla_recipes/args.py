@@ -22,6 +22,8 @@ import torch
 from .errors import InputError
 
 Granularity = Literal["block", "head", "neuron", "expert", "source"]
+Check = Literal["logit", "adds"]  # the self-check: the whole logit's bound, or also every residual add (math.adds)
+CHECKS: tuple[str, ...] = get_args(Check)
 GRANULARITIES: tuple[str, ...] = get_args(Granularity)
 
 
@@ -185,6 +187,15 @@ def check_granularity(by) -> str:
             f"{closest(by, GRANULARITIES)}"
         )
     return by
+
+
+def check_check(check) -> str:
+    """``check``, or an ``InputError`` unless it is one of ``CHECKS``."""
+    if not isinstance(check, str) or check not in CHECKS:
+        raise InputError(f"check={check!r}: use 'logit' (the parts against the whole logit's bound, the default) or "
+                         "'adds' (also every residual add against its own rounding: a write no component made is "
+                         "caught at its block, from 1% of the stream's norm in bfloat16)")
+    return check
 
 
 def check_remote(remote) -> None:

@@ -15,7 +15,13 @@
    ``diagnostics["split_rounding"]`` and not counted against step 4. A call that may carry an edit
    (``intervene=``, ``trace_attribution``) has each split term's gap as a column of its own instead
    (``L3.mlp.edit``), so there is nothing to hold here.
-4. **The sum.** ``|values.sum(-1) + constant + split_gap - logit|`` must be within ``bound``, derived from the
+4. **The adds** (``math.adds``; with ``check="adds"``, derived bound only): at each block the family table lets it check, the stream
+   leaving the block must be the stream entering it plus what its terms wrote, channel by channel, within the
+   adds' own rounding (half an ulp of each add's result in the stream's dtype, plus the recipe's float32 sum),
+   and the next block (or the final norm) must read that stream unchanged. A write no component made (a torch
+   hook on a block or a sublayer, an edit outside the call) raises ``ExactnessError`` naming the block and the
+   write's size, far below the whole logit's bound of step 5.
+5. **The sum.** ``|values.sum(-1) + constant + split_gap - logit|`` must be within ``bound``, derived from the
    precision the model computed in (its unit roundoff ``u``: 2^-8 in bfloat16, 2^-11 in float16, 2^-24 in float32):
 
    - each logit rounded at its own size: ``u * (b(z_target) + b(z_contrast))``, ``b(z) = 2^floor(log2 |z|)`` (a
@@ -27,9 +33,13 @@
    the last two are sums of many independent roundings, allowed ``SIGMAS`` times their scale. On top comes the
    float32 bound of the recipe's own arithmetic, ``FLOAT32_RTOL * max(1, |logit|)``.
 
-   A user ``tolerance`` replaces this derived bound (steps 3 and 4) by ``tolerance * max(1, |logit|)``: larger
+   A user ``tolerance`` replaces this derived bound (steps 3 to 5) by ``tolerance * max(1, |logit|)``: larger
    loosens the check, smaller tightens it, and a tolerance below the derived bound can fail on the model's own
    rounding alone (the error then says so, with the tolerance that would hold).
+
+The precision is the activations' (``Readout.unit_roundoff``, read in the trace), not the parameters': a float32
+model run under ``torch.autocast`` to bfloat16 is held to bfloat16's rounding, and any error it raises says first
+that the forward ran under autocast (``Readout.weight_roundoff``, the parameters', read there too).
 
 The error message says whether precision or the family table is the likely cause: a gap within a few times the
 precision bound is the model's own rounding; a gap far beyond it is a write the family table does not describe.
@@ -40,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from .errors import DLAError, ExactnessError, NonFiniteError
+from .math.adds import where as add_site
 from .math.checks import FLOAT32_RTOL, precision_of, relative_bound, split_sum_bound
 from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
 
@@ -131,10 +142,33 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
-        ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit).
+        ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit) and, with
+        ``check="adds"``, ``add_rounding`` ``[batch]`` (the largest ratio of an add's gap to its own rounding).
     """
     dtype = computed_dtype(readout, dtype)
     _nonfinite(readout, labels, plan, dtype)
+    try:
+        return _checked(readout, plan, by, dtype, tolerance, edits, names)
+    except ExactnessError as error:
+        cause = autocast(readout, dtype)
+        if cause is None:
+            raise
+        raise ExactnessError(f"{cause}. {error}") from None
+
+
+def autocast(readout, dtype: torch.dtype) -> str | None:
+    """``"the forward ran under autocast to bfloat16 ..."`` when the activations' dtype (``dtype``) is coarser
+    than the parameters' (``Readout.weight_roundoff``, read in the trace), else None."""
+    weight = float(readout.weight_roundoff.max()) if readout.weight_roundoff.numel() else 0.0
+    if weight <= 0 or unit_roundoff(dtype) <= weight:
+        return None
+    params = min(UNIT_ROUNDOFF, key=lambda d: abs(UNIT_ROUNDOFF[d] - weight))
+    return (f"The forward ran under autocast to {str(dtype).removeprefix('torch.')} (the parameters are "
+            f"{str(params).removeprefix('torch.')}; the bound is {str(dtype).removeprefix('torch.')}'s rounding)")
+
+
+def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None, edits: bool, names):
+    """Steps 2 to 5 of the module docstring (``self_check``'s, after the finite check)."""
     total = readout.values.sum(-1) + readout.constant
     error = float((total - readout.logit).abs().max())
     u = unit_roundoff(dtype)
@@ -143,10 +177,14 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     derived = floor + precision
     bound = derived if tolerance is None else relative_bound(readout.logit, tolerance)
     diagnostics = {"bound": bound, "split_rounding": readout.split_gap}
+    if bool((readout.add_where.reshape(-1) >= 0).any()):  # check="adds": each row's worst add, over its rounding
+        diagnostics["add_rounding"] = readout.add_ratio.reshape(-1).expand_as(bound)
     _check_head(readout, plan, u, tolerance)
     if by == "source":
         _check_pattern(readout, plan, u, edits)
     _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names)
+    if tolerance is None:
+        _check_adds(readout, plan, dtype, edits, names)
     gaps = (total + readout.split_gap - readout.logit).abs()
     if bool((gaps > bound).any()):
         worst = int(torch.argmax(gaps / bound))
@@ -182,6 +220,29 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
             f"tolerance {allowed:.3g}, by={by!r}, {dtype}). {cause} dla_recipes refuses to return a wrong attribution."
         )
     return error, diagnostics
+
+
+def _check_adds(readout, plan, dtype: torch.dtype, edits: bool, names) -> None:
+    """Each checked block's adds are explained by its terms' writes, to their own rounding (step 4), or raise."""
+    ratio = readout.add_ratio.reshape(-1)
+    if not bool((ratio > 1).any()):
+        return
+    worst = int(torch.argmax(ratio))
+    code = float(readout.add_where.reshape(-1).expand_as(ratio)[worst])
+    gap, norm = float(readout.add_gap.reshape(-1).expand_as(ratio)[worst]), float(readout.add_norm.reshape(-1).expand_as(ratio)[worst])
+    block, between = divmod(int(code), 2)
+    reader = "the final norm" if block == len(plan.layers) - 1 else f"block {block + 1}"
+    held = (f"where {reader} must read block {block}'s output unchanged" if between else
+            f"{float(ratio[worst]):.3g}x what the adds' own {dtype} rounding allows channel by channel")
+    raise ExactnessError(
+        f"family {plan.family.name!r}: a write no component made is in {add_site(code, len(plan.layers))}: a vector "
+        f"of norm {gap:.3g} ({gap / max(norm, 1e-30):.3%} of the stream's norm {norm:.3g} there, "
+        f"{_where(names, worst)}), {held}. Either the forward pass was edited at block {block} without dla_recipes "
+        "knowing (a torch hook on the block or one of its modules, or nnsight code outside the call: pass the edit "
+        "as attribute(..., intervene=fn)" + (", and edit a sublayer's output, not the stream itself" if edits else "")
+        + "), or the family table entry does not describe what this block writes (dla_recipes/families/). "
+        "dla_recipes refuses to return a wrong attribution."
+    )
 
 
 def _check_head(readout, plan, u: float, tolerance: float | None) -> None:

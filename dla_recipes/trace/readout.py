@@ -16,7 +16,8 @@ import torch
 DEFAULTS = {"head_error": 0.0, "pattern_error": 0.0, "pattern_layer": -1.0, "logit_size": 0.0, "head_noise": 0.0,
             "stream_noise": 0.0, "split_gap": 0.0, "split_noise": 0.0, "split_worst_gap": 0.0,
             "split_worst_allowed": 0.0, "split_worst_term": -1.0, "finite_head": 1.0, "first_nonfinite": -1.0,
-            "unit_roundoff": 0.0}
+            "unit_roundoff": 0.0, "weight_roundoff": 0.0, "add_ratio": 0.0, "add_where": -1.0, "add_gap": 0.0,
+            "add_norm": 0.0}
 
 
 def default(name: str):
@@ -61,6 +62,11 @@ class Readout:
         first_nonfinite: the first component (a column of ``values``) whose unscaled score is not finite, else -1.
         unit_roundoff: ``u`` of the dtype the model computed in, read where it ran (server side on NDIF, where the
             client's model has no weights and may not know it); 0 when unknown.
+        weight_roundoff: ``u`` of the parameters' dtype, read there too (above ``unit_roundoff``: autocast).
+        add_ratio, add_where, add_gap, add_norm: the per-add check (``math.adds``): the largest ratio of an add's
+            gap to its own rounding at the first boundary where it exceeds 1 (else the worst), that boundary
+            (``2 * block``: its adds; ``2 * block + 1``: the stream between it and the next reader; -1: none
+            checked), the unexplained write's norm there and the stream's.
 
     ``buffer`` (not sent): the ``[batch, n_components + len(FIELDS)]`` tensor whose first columns ``values`` is
     (``recipe.joined``): ``pack`` writes the fields into its last columns instead of copying ``values`` again.
@@ -86,12 +92,18 @@ class Readout:
     finite_head: torch.Tensor = field(default_factory=default("finite_head"))
     first_nonfinite: torch.Tensor = field(default_factory=default("first_nonfinite"))
     unit_roundoff: torch.Tensor = field(default_factory=default("unit_roundoff"))
+    weight_roundoff: torch.Tensor = field(default_factory=default("weight_roundoff"))
+    add_ratio: torch.Tensor = field(default_factory=default("add_ratio"))
+    add_where: torch.Tensor = field(default_factory=default("add_where"))
+    add_gap: torch.Tensor = field(default_factory=default("add_gap"))
+    add_norm: torch.Tensor = field(default_factory=default("add_norm"))
     buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)  # values' own, with room (pack)
     gathered_into: torch.Tensor | None = field(default=None, repr=False, compare=False)  # gathered(): fields in it
 
     FIELDS = ("constant", "logit", "output_logit", "head_error", "norm_fit_error", "scale", "pattern_error", "pattern_layer",
               "logit_size", "head_noise", "stream_noise", "split_gap", "split_noise", "split_worst_gap",
-              "split_worst_allowed", "split_worst_term", "finite_head", "first_nonfinite", "unit_roundoff")
+              "split_worst_allowed", "split_worst_term", "finite_head", "first_nonfinite", "unit_roundoff",
+              "weight_roundoff", "add_ratio", "add_where", "add_gap", "add_norm")
 
     def pack(self) -> torch.Tensor:
         """``[batch, n_components + len(FIELDS)]`` float32: everything in one tensor, the cheapest to send back."""

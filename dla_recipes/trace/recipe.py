@@ -41,13 +41,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..args import Granularity, check_granularity
+from ..args import Check, Granularity, check_granularity
+from ..math.adds import AddCheck
 from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
 from ..math.linalg import dot, exact
-from ..math.rounding import Rounding, rounding_scales, stream_sumsq
+from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
+from .adds import activations_dtype, checked_blocks, final_read, low_precision
 from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
@@ -86,7 +88,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
               offsets: torch.Tensor | None = None,
               rounding: Rounding | None = None, edits: bool = False,
               patterns: list | None = None, rows: torch.Tensor | None = None, room: int = 0,
-              ) -> tuple[torch.Tensor, list[float], Sites]:
+              adds: AddCheck | None = None) -> tuple[torch.Tensor, list[float], Sites]:
     """``[n, n_components]``: every term written before ``stop`` at the sites, dotted with ``direction``
     ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     A site is ``(rows[s], positions[s])``: a prompt of the batch and an index into the padded sequence (``rows``
@@ -102,6 +104,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
     ``room``: the scores come back as the first columns of a ``[n, n_components + room]`` buffer (returned whole),
     whose last ``room`` columns ``Readout.pack`` fills: one buffer of the result's size is allocated, not three.
+    ``adds`` collects the per-add check (``math.adds``) of every block ``trace.adds.checked_blocks`` names: the
+    stream entering and leaving it, each term's write as added, and the stream between two checked blocks.
     """
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
@@ -125,10 +129,16 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     previous = embed  # the stream before the block (its rounding bound, ``rounding``)
+    checked = checked_blocks(plan, stop) if adds is not None else frozenset()
     for i, terms in enumerate(plan.terms_before(stop)):
         split = SourceSplit(sources, i, offsets, paths) if by == "source" else None
+        entering, writes = None, None  # the per-add check: the stream entering block i, its terms' writes
+        if i in checked:
+            entering, writes = at(stream if i == 0 else layer_input(model, i), sites, keep=True), []
+            if adds.last is not None and adds.last[0] == i - 1:
+                adds.between(i - 1, adds.last[1], entering)
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, sites,
-                                                        fit_errors, split, rounding, edits, i, patterns):
+                                                        fit_errors, split, rounding, edits, i, patterns, writes):
             if before is not None:  # a norm on the stream scales everything written before it
                 scores = scaled(scores, before)
             if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -141,10 +151,13 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
                 scores = scaled(scores, after[0])
                 scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
-        if rounding is not None and per_layer[i] and (stop is None or i < stop[0]):
-            stream_after = at(read_site(model.layers[i], "output"), sites)
-            rounding.stream_noise.append(len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0]))
-            previous = stream_after
+        if i in checked or (rounding is not None and per_layer[i] and (stop is None or i < stop[0])):
+            stream_after = at(read_site(model.layers[i], "output"), sites, keep=True)
+            if i in checked:
+                adds.block(i, entering, writes, stream_after)
+            if rounding is not None and per_layer[i] and (stop is None or i < stop[0]):
+                rounding.stream_noise.append(len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0]))
+                previous = stream_after
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         read = at(head.input, sites)
@@ -196,6 +209,7 @@ def direct_logit_attribution(
     offsets: torch.Tensor | None = None,
     edits: bool = False,
     rows: torch.Tensor | None = None,
+    check: Check = "logit",
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
@@ -211,6 +225,8 @@ def direct_logit_attribution(
         edits: the forward pass may be edited (``intervene=``, ``trace_attribution``): each split term has an
             ``.edit`` column, what it wrote beyond its parts and bias (``plan.components(by, edits=True)``).
         rows: ``[n]`` long, each site's prompt (its row of the batch); None: one site per prompt, ``n = batch``.
+        check: ``"adds"``: also read what the per-add check needs (``math.adds``; ``"logit"``: the whole logit's
+            bound only).
     """
     check_granularity(by)
     with torch.no_grad():
@@ -218,11 +234,12 @@ def direct_logit_attribution(
         probe, direction, constant, head_rows = final_direction(model, plan, target)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
+        adds = AddCheck() if check == "adds" else None
+        rounding = Rounding() if low_precision(model) else None
         patterns: list = []
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
-                                              edits, patterns, rows, room)
+                                              edits, patterns, rows, room, adds)
         scores = buffer[:, :buffer.shape[1] - room]
         rows, positions = sites.rows, sites.positions  # on the device
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
@@ -235,6 +252,7 @@ def direct_logit_attribution(
                Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
         final: FrozenNorm = probe.freeze(x, y)
         fit_errors.append(final.fit_error)
+        final_read(adds, plan, x)  # the per-add check: the last block's output is what the final norm reads
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
         kept = positions - (stream.shape[1] - head_out.shape[1])
         head = linear_targets.pick(head_out, rows, kept, target)  # [n, K] at the target's tokens
@@ -245,13 +263,16 @@ def direct_logit_attribution(
         head_error = linear_targets.head_error(target, head, own, lambda z: softcap(z * plan.logit_scale, plan.softcap))
         logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
         size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
+        computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
         checks = rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
-                                 computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
+                                 computed_in=computed)  # reads the scores unscaled
         scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
         pattern_error, pattern_layer = worst_pattern(patterns, buffer.device)
         return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=final.scale,
-                                pattern_error=pattern_error, pattern_layer=pattern_layer, **checks)
+                                pattern_error=pattern_error, pattern_layer=pattern_layer,
+                                weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks,
+                                **({} if adds is None else adds.fields()))
 
 
 def direction_attribution(
@@ -263,6 +284,7 @@ def direction_attribution(
     reads: str,
     by: Granularity = "block",
     rows: torch.Tensor | None = None,
+    check: Check = "logit",
 ) -> Readout:
     """Attribute ``norm(stream) @ direction`` inside a trace, where ``norm`` (the module at ``reads`` in block
     ``stop[0]``) reads the stream at ``stop``: the terms written before it, through the norm frozen at its input.
@@ -272,6 +294,7 @@ def direction_attribution(
             per site.
         stop: ``plan.stop_before(layer, sublayer)``; reads: that sublayer's ``Term.reads``.
         rows: ``[n]`` each site's prompt (None: one site per prompt), as in ``direct_logit_attribution``.
+        check: as in ``direct_logit_attribution``.
     """
     check_granularity(by)
     with torch.no_grad():
@@ -281,11 +304,12 @@ def direction_attribution(
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
-        rounding = Rounding() if model.lm_head.weight.dtype in (torch.bfloat16, torch.float16) else None
+        adds = AddCheck()  # passed to decompose only with check="adds" (else it stays empty)
+        rounding = Rounding() if low_precision(model) else None
         pulled = probe.center(probe.gain * v)
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows,
-                                              room=room)
+                                              room=room, adds=adds if check == "adds" else None)
         scores = buffer[:, :buffer.shape[1] - room]
         stream = at(read_site(norm, "input", sites.batch), sites)
         output = at(read_site(norm, "output", sites.batch), sites)
@@ -294,10 +318,11 @@ def direction_attribution(
         own = dot(output, v)  # the model's own normed stream, read along the direction
         checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
                                  len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
-                                 computed_in=model.lm_head.weight.dtype)  # reads the scores unscaled
+                                 computed_in=activations_dtype(model, output.dtype, adds.dtype))
         scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1))  # in place
         return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,
-                                norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale, **checks)
+                                norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale,
+                                weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks, **adds.fields())
 
 
 @dataclass(frozen=True)
@@ -313,11 +338,12 @@ class LogitCall:
     offsets: torch.Tensor | None = None
     edits: bool = False
     rows: torch.Tensor | None = None
+    check: Check = "logit"
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
         return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets, self.edits, self.rows)
+                                        self.sources, self.offsets, self.edits, self.rows, self.check)
 
 
 @dataclass(frozen=True)
@@ -331,11 +357,12 @@ class DirectionCall:
     reads: str
     by: Granularity
     rows: torch.Tensor | None = None
+    check: Check = "logit"
 
     def run(self, model) -> Readout:
         """The attribution of this batch's direction, inside the running trace of ``model``."""
         return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
-                                     self.rows)
+                                     self.rows, self.check)
 
 
 @dataclass

@@ -100,6 +100,8 @@ def worst_sites(readout: Readout, keep: int, tolerance: float | None) -> torch.T
     u = r.unit_roundoff.reshape(-1).expand(n)
     ratio = site_ratios(total, r.logit, r.split_gap, r.split_noise, r.split_worst_gap, r.split_worst_allowed,
                         r.logit_size.reshape(-1).expand(n), r.head_noise, r.stream_noise, u, tolerance)
+    if tolerance is None:  # check="adds": a site whose adds fail is kept too (selfcheck holds them then)
+        ratio = torch.maximum(ratio, r.add_ratio.reshape(-1).expand(n).to(ratio.device))
     bad = nonfinite_sites(r.values, r.constant, r.logit, r.output_logit, r.scale, r.stream_noise, r.head_noise,
                           ratio) | (r.first_nonfinite.reshape(-1).expand(n) >= 0)
     bad = bad | (r.finite_head.reshape(-1).expand(n) < 1)

@@ -28,6 +28,7 @@ from ..math.linalg import dot
 from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
+from .adds import written_at
 from .kinds import conv, experts, linear, routed, sources
 from .readers import Sites, at, frozen_at, param, read_site
 
@@ -143,11 +144,12 @@ def roundings(planned: PlannedTerm) -> int:
 
 
 def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: bool = True,
-              edits: bool = False) -> TermReads:
+              edits: bool = False, whole: bool = False) -> TermReads:
     """Read, in forward order, what scoring this term needs at the attributed sites (a few ``[n, ...]``).
 
     ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: low precision (a checked split term reads its
-    write whole too, for the self-check); ``edits``: every split term reads its write whole (its ``.edit`` column)."""
+    write whole too, for the self-check); ``edits``: every split term reads its write whole (its ``.edit`` column);
+    ``whole``: every split term reads its write whole (the per-add check, ``math.adds``)."""
     term, batch = planned.term, sites.batch
     reads = TermReads()
     if term.stream.norm is not None:  # the norm on the stream runs before this term's sublayer
@@ -165,7 +167,7 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
             reads.post_norm_io = (read_site(norm, "input", batch), read_site(norm, "output", batch))
             reads.post_norm = probe_norm(norm, reads.post_norm_io[0].shape[-1]).freeze(
                 at(reads.post_norm_io[0], sites), at(reads.post_norm_io[1], sites))
-        if edits or (own and checks_split(planned, mode)):  # what it really wrote: an edit, or its rounding
+        if edits or whole or (own and checks_split(planned, mode)):  # what it really wrote: an edit, its rounding
             reads.written = at(read_site(layer, term.output, batch), sites, keep=True)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
         reads.stream_norm_after = frozen_at(module_at(layer, term.stream.norm_after), sites)
@@ -186,8 +188,9 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         u = outer.transpose(u)
     if mode is None:
         return (dot(reads.value, u) + rest).unsqueeze(-1), None
-    written = None if reads.written is None else dot(reads.written, u) + rest  # [batch] what it really wrote
-    noise = None if reads.written is None else roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1)
+    held = reads.written is not None and (edits or checks_split(planned, mode))  # its gap is a column, or held
+    written = dot(reads.written, u) + rest if held else None  # [batch] what it really wrote
+    noise = roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1) if held else None
     if reads.post_norm is not None:
         rest = rest + dot(u, reads.post_norm.bias)
         u = reads.post_norm.transpose(u)
@@ -209,7 +212,7 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
 
 def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, sites: Sites, fit_errors: list,
                  split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
-                 index: int = 0, patterns: list | None = None):
+                 index: int = 0, patterns: list | None = None, writes: list | None = None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
     order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
     None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
@@ -217,7 +220,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     (``by="source"``). ``rounding`` (low precision only) collects each checked split term's gap and squared noise
     (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own, before its rest (``score_term``);
     ``index``: the block's index (names a checked term); ``patterns`` collects ``(rebuild error, index)`` of the
-    heads split by source.
+    heads split by source; ``writes`` collects each term's write as added (``adds.written_at``: the per-add check).
 
     A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
     """
@@ -230,7 +233,10 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     for k, planned in enumerate(terms):
         if paths is not None:
             paths.before(layer, planned, modes[k], index)
-        reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits))
+        reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits,
+                               whole=writes is not None))
+        if writes is not None:
+            writes.append(written_at(layer, planned, reads[-1].value if modes[k] is None else reads[-1].written))
         if paths is not None:
             paths.after(layer, planned, modes[k], reads[-1])
         reads[-1].post_norm_io = None  # the post-norm's whole input and output: not kept past its term
