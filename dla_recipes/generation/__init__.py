@@ -91,6 +91,24 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
     return with_generation(model, attr, generated, settings, contrast, chosen, chat)
 
 
+def for_rows(generate: dict):
+    """``attribute_dataset(..., generate=dict(max_new_tokens=8, ...))``'s call a chunk: ``attribute``'s keywords
+    (its ``target`` is the answer, its ``position`` each answer's span) turned into ``attribute_generation``'s."""
+    if not isinstance(generate, dict):
+        raise InputError(f"generate={generate!r}: give a dict, e.g. dict(max_new_tokens=8, do_sample=False)")
+    options = dict(generate)
+    max_new_tokens = options.pop("max_new_tokens", 32)
+    seed = options.pop("seed", None)
+
+    def call(model, prompts, *, target=None, position=-1, intervene=None, **rest):
+        if intervene is not None or position != -1:
+            raise InputError("attribute_dataset(generate=...) attributes each row's generated answer at its own "
+                             "positions, with the plain model: drop position= and intervene=")
+        return attribute_generation(model, prompts, max_new_tokens, generate=options, seed=seed, **rest)
+
+    return call
+
+
 def given_steps(contrast, i: int) -> int:
     """How many steps of prompt ``i`` a per-step contrast covers (a keyword or one token: all)."""
     if isinstance(contrast, (list, tuple)):

@@ -151,10 +151,10 @@ def sampler_problems(options: Mapping) -> list[str]:
     import transformers
 
     found = []
-    for name, sampler in (("temperature", "TemperatureLogitsWarper"), ("top_p", "TopPLogitsWarper"),
-                          ("top_k", "TopKLogitsWarper"), ("min_p", "MinPLogitsWarper"),
-                          ("typical_p", "TypicalLogitsWarper")):
-        if name in options and options[name] is not None and hasattr(transformers, sampler):
+    for name, sampler, off in (("temperature", "TemperatureLogitsWarper", 1.0), ("top_p", "TopPLogitsWarper", 1.0),
+                               ("top_k", "TopKLogitsWarper", 0), ("min_p", "MinPLogitsWarper", None),
+                               ("typical_p", "TypicalLogitsWarper", 1.0)):  # off: the value generate builds none for
+        if options.get(name) not in (None, off) and hasattr(transformers, sampler):
             try:
                 getattr(transformers, sampler)(options[name])
             except (ValueError, TypeError) as error:
