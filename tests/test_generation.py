@@ -250,15 +250,50 @@ def server(tmp_path_factory):
 
 @pytest.mark.server
 def test_remote_equals_local(server):
-    """On the loopback NDIF server the answer is generated and attributed server side: the same answers, values and
-    runner-ups as locally, bit for bit (both single-threaded), only ``[batch, steps]`` numbers returned."""
+    """On the loopback NDIF server the answer is generated and attributed in ONE request (one session: generate,
+    then the teacher-forced trace, server side): the same answers, runner-ups and values as locally, bit for bit
+    (both single-threaded); ``reduce="stats"`` (two requests: the generation, then ``attribute``) as locally too."""
     remote_model, local_model = server.remote_model("llama"), server.local_model("llama")
+    server.clear_stats()
     with server.client():
         remote = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, contrast="runner-up", by="head",
                                                   remote=True)
+    assert [r["status"] for r in server.stats()] == ["COMPLETED"]
     with single_threaded():
         local = dla_recipes.attribute_generation(local_model, PROMPTS, 4, contrast="runner-up", by="head")
     assert remote.generation.answers == local.generation.answers
     assert remote.generation.contrast_ids == local.generation.contrast_ids
-    assert torch.equal(remote.values, local.values)
+    assert torch.equal(remote.values, local.values) and torch.equal(remote.constant, local.constant)
     assert all(p.device.type == "meta" for p in remote_model._module.parameters())
+    with server.client():
+        stats = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, by="head", remote=True, reduce="stats")
+    with single_threaded():
+        alone = dla_recipes.attribute_generation(local_model, PROMPTS, 4, by="head", reduce="stats")
+    assert stats.count == alone.count == int(local.mask.sum()) and torch.equal(stats.mean, alone.mean)
+
+
+@pytest.mark.server
+def test_ndif_like_server_bfloat16_autocast(tmp_path):
+    """As NDIF runs a request (bfloat16 weights, sdpa, ``torch.autocast``): remote equals the same model run locally
+    under the same bracket, and the parts sum to a plain bf16 forward of prompt + answer under it (twice the
+    self-check's bound: two forwards, each within it)."""
+    import secrets
+
+    from dla_recipes.testing.loopback import LoopbackServer
+
+    folder = tmp_path / "llama"
+    tiny.build("llama").save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16), ndif=True) as running:
+        remote_model, local_model = running.remote_model("llama"), running.local_model("llama", dispatch=True)
+        with running.client():
+            remote = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, contrast="runner-up", by="head",
+                                                      remote=True)
+        with single_threaded(), running.bracket():
+            local = dla_recipes.attribute_generation(local_model, PROMPTS, 4, contrast="runner-up", by="head")
+            assert remote.dtype == "bfloat16"
+            assert remote.generation.answers == local.generation.answers
+            assert torch.equal(remote.values, local.values)
+            prompts = [ids_of(local_model, p) for p in PROMPTS]
+            check_answer(local_model, remote, prompts, remote.generation.answers, remote.generation.contrast_ids,
+                         "ndif-like")

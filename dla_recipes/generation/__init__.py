@@ -28,11 +28,13 @@ from ..errors import InputError
 from ..loading.load import as_standardized
 from ..plan import build_plan
 from ..present.positions import PositionAttribution
+from ..present.stats import as_stats
 from ..transport.batches import resolve_token
 from .inputs import Settings, check_settings, prompt_ids, raise_all
 from .result import Generation, GenerationAttribution
-from .run import Generated
+from .run import Generated, contrast_grid, forced
 from .run import generate as run_generation
+from .session import generate_and_attribute
 
 __all__ = ["Generation", "GenerationAttribution", "Settings", "attribute_generation"]
 
@@ -76,15 +78,17 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
     settings = check_settings(config, max_new_tokens, generate, seed, problems)
     chosen = contrast_ids(model, contrast, len(ids), max_new_tokens, problems)
     raise_all(problems)
+    if remote and by != "source" and as_stats(reduce) is None:  # one NDIF session: generate, then attribute
+        generated, attr = generate_and_attribute(model, plan, ids, settings, chosen, contrast, by, remote, batch_size,
+                                                 tolerance, reduce)
+        check_given(contrast, chosen, generated)
+        return attr if not isinstance(attr, PositionAttribution) else with_generation(
+            model, attr, generated, settings, contrast, chosen, chat)
     generated = run_generation(model, plan, ids, settings, chosen, remote=remote, batch_size=batch_size)
-    short = [f"prompt {i} (answer of {len(a)} tokens, contrast of {len(chosen[i])})" for i, a in
-             enumerate(generated.answers) if chosen is not None and given_steps(contrast, i) < len(a)]
-    if short:
-        raise_all([f"contrast gives fewer tokens than the answer has steps: {', '.join(short)}; give one per step"])
-    sequences = [p + a for p, a in zip(generated.prompts, generated.answers)]
-    spans = [slice(len(p) - 1, len(p) - 1 + len(a)) for p, a in zip(generated.prompts, generated.answers)]
-    attr = attribute(model, sequences, "next", contrast=attributed_contrast(contrast, generated, chosen),
-                     position=spans, by=by, remote=remote, batch_size=batch_size, progress=progress,
+    check_given(contrast, chosen, generated)
+    sequences, spans = forced(generated.prompts, generated.answers)
+    grid = contrast_grid(contrast, generated.answers, generated.runner_up, chosen)
+    attr = attribute(model, sequences, "next", contrast=grid, position=spans, by=by, remote=remote, batch_size=batch_size, progress=progress,
                      tolerance=tolerance, reduce=reduce)
     if not isinstance(attr, PositionAttribution):
         return attr
@@ -107,6 +111,14 @@ def for_rows(generate: dict):
         return attribute_generation(model, prompts, max_new_tokens, generate=options, seed=seed, **rest)
 
     return call
+
+
+def check_given(contrast, chosen, generated: Generated) -> None:
+    """A contrast given per step must cover every step of each answer (known once it is generated)."""
+    short = [f"prompt {i} (answer of {len(a)} tokens, contrast of {given_steps(contrast, i)})" for i, a in
+             enumerate(generated.answers) if chosen is not None and given_steps(contrast, i) < len(a)]
+    if short:
+        raise_all([f"contrast gives fewer tokens than the answer has steps: {', '.join(short)}; give one per step"])
 
 
 def given_steps(contrast, i: int) -> int:
@@ -143,16 +155,6 @@ def contrast_ids(model, contrast, n: int, width: int, problems: list[str]) -> li
             resolved = resolved * width
         out.append(resolved + [0] * (width - len(resolved)))
     return out
-
-
-def attributed_contrast(contrast, generated: Generated, chosen: list | None):
-    """The ``contrast`` ``attribute`` gets: None, ``"mean"``, or ``[n][n_steps]`` token ids (runner-up, given)."""
-    if contrast is None or isinstance(contrast, str) and contrast == "mean":
-        return contrast
-    width = max(len(a) for a in generated.answers)
-    rows = generated.runner_up if isinstance(contrast, str) else [c[:len(a)] for c, a in
-                                                                  zip(chosen, generated.answers)]
-    return [list(r) + [0] * (width - len(r)) for r in rows]
 
 
 def generation_value(contrast, generated: Generated, i: int) -> torch.Tensor:

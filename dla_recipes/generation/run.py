@@ -107,23 +107,59 @@ def eos_ids(model, settings: Settings) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
+def pad_id(model, settings: Settings) -> int:
+    """The id the prompts are left-padded with: the tokenizer's pad token, else an EOS (masked either way)."""
+    pad = model.tokenizer.pad_token_id
+    return pad if pad is not None else next(iter(sorted(eos_ids(model, settings))), 0)
+
+
 def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, remote=False,
              batch_size: int | None = None) -> Generated:
     """The answers of ``prompts`` (own ids ``[n][P_b]``); ``chosen``: per-step contrast ids ``[n][max_new_tokens]``
     (None: no such contrast)."""
-    n, pad = len(prompts), model.tokenizer.pad_token_id
-    pad = pad if pad is not None else next(iter(eos_ids(model, settings)), 0)
-    stop = eos_ids(model, settings)
-    rows: list = [None] * n
+    stop, pad = eos_ids(model, settings), pad_id(model, settings)
+    rows: list = [None] * len(prompts)
     for group in groups(model, plan, prompts, batch_size, [list(p) for p in prompts]):
         encoding = left_padded([prompts[i] for i in group], pad)
-        ids = torch.zeros(len(group), settings.max_new_tokens, dtype=torch.long) if chosen is None else \
-            torch.tensor([chosen[i] for i in group], dtype=torch.long)
-        out = generate_group(model, encoding, settings, ids, remote)
+        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens), remote)
         for k, i in enumerate(group):
-            tokens = out[0][k].tolist()
-            end = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
-            rows[i] = (tuple(tokens[:end]), *(t[k, :end].float() for t in out[1:]))
+            rows[i] = row_of(out, k, stop)
+    return collect(prompts, rows)
+
+
+def chosen_ids(chosen: list | None, group, width: int) -> torch.Tensor:
+    """``[len(group), width]`` the group's per-step contrast ids (zeros without)."""
+    if chosen is None:
+        return torch.zeros(len(group), width, dtype=torch.long)
+    return torch.tensor([chosen[i] for i in group], dtype=torch.long)
+
+
+def row_of(out: tuple, k: int, stop: set[int]) -> tuple:
+    """Row ``k`` of ``step_readout``'s tensors, cut after its first EOS (``stop``): ``(answer ids, *[A] tensors)``."""
+    tokens = out[0][k].tolist()
+    end = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
+    return (tuple(tokens[:end]), *(t[k, :end].float() for t in out[1:]))
+
+
+def collect(prompts, rows: list) -> Generated:
+    """The ``Generated`` record of every prompt's ``row_of``."""
     return Generated(tuple(tuple(p) for p in prompts), tuple(r[0] for r in rows), tuple(r[1] for r in rows),
                      tuple(tuple(int(t) for t in r[2]) for r in rows), tuple(r[3] for r in rows),
                      tuple(r[4] for r in rows), tuple(r[5] for r in rows))
+
+
+def forced(prompts, answers) -> tuple[list, tuple]:
+    """The teacher-forced pass's inputs: each prompt + its answer (own ids), and the span of positions that
+    predicted the answer's tokens (``slice(P_b - 1, P_b - 1 + A_b)``: ``attribute``'s ``position``, one a prompt)."""
+    sequences = [list(p) + list(a) for p, a in zip(prompts, answers)]
+    return sequences, tuple(slice(len(p) - 1, len(p) - 1 + len(a)) for p, a in zip(prompts, answers))
+
+
+def contrast_grid(contrast, answers, runner_up, chosen):
+    """The ``contrast`` ``attribute`` gets: None, ``"mean"``, or ``[n][n_steps]`` ids (each step's runner-up, or
+    the contrast given per step: ``chosen`` rows), 0-filled past a row's answer (masked sites read none)."""
+    if contrast is None or isinstance(contrast, str) and contrast == "mean":
+        return contrast
+    width = max(len(a) for a in answers)
+    rows = runner_up if isinstance(contrast, str) else [c[:len(a)] for c, a in zip(chosen, answers)]
+    return [list(r)[:len(a)] + [0] * (width - min(len(a), len(r))) for r, a in zip(rows, answers)]
