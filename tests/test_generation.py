@@ -297,3 +297,47 @@ def test_ndif_like_server_bfloat16_autocast(tmp_path):
             prompts = [ids_of(local_model, p) for p in PROMPTS]
             check_answer(local_model, remote, prompts, remote.generation.answers, remote.generation.contrast_ids,
                          "ndif-like")
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_smollm2_instruct_chat_answer():
+    """SmolLM2-135M-Instruct (the default model; its tokenizer has a chat template), two chat prompts: the answers
+    are transformers' generate's of the rendered conversations (one ends at its EOS, ``<|im_end|>``), each step
+    contrasted with its runner-up, every step's parts the plain forward's logit difference of prompt + answer alone."""
+    from dla_recipes import models
+
+    model = dla_recipes.load(models.default_model_path(), dtype=torch.float32, device_map="cpu", dispatch=True)
+    chats = [[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+             [{"role": "user", "content": "Name a primary color."}]]
+    prompts = [model.tokenizer(model.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False)["input_ids"] for c in chats]
+    eos = model._module.generation_config.eos_token_id
+    tokens, logits = plain_generate(model, prompts, 10)
+    answers = [cut(t, eos) for t in tokens]
+    attr = dla_recipes.attribute_generation(model, chats, 10, contrast="runner-up", by="head")
+    assert attr.generation.answers == tuple(map(tuple, answers)) and attr.generation.chat
+    assert any(a[-1] == eos for a in answers) and attr.generation.texts[0].startswith("The capital of France is Paris")
+    assert attr.generation.contrast_ids == tuple(tuple(runner_up(z, a)) for z, a in zip(logits, answers))
+    check_answer(model, attr, prompts, answers, attr.generation.contrast_ids, "smollm2-instruct")
+
+
+def test_plots_of_an_answer():
+    """The position plots read a ``GenerationAttribution`` as any ``PositionAttribution``: the blocks heatmap, the
+    top heads x the answer's steps (``top_components_heatmap``: the largest ``|part|`` summed over the steps, first),
+    the per-token text."""
+    from dla_recipes import plots
+
+    model = tiny_model("llama")
+    attr = dla_recipes.attribute_generation(model, PROMPTS, 4, contrast="runner-up", by="head")
+    figure = plots.top_components_heatmap(attr, k=3, kind="head", prompt=1)
+    steps = int(attr.mask[1].sum())
+    heads = [i for i, label in enumerate(attr.labels) if ".H" in label]
+    total = attr.values[1, :steps][:, heads].abs().sum(0)
+    assert list(figure.data[0].y) == [attr.labels[heads[i]] for i in total.argsort(descending=True)[:3].tolist()]
+    assert len(figure.data[0].x) == steps
+    assert len(plots.positions_heatmap(attr, prompt=1).data[0].x) == steps
+    text = plots.token_text(attr, component="L0.attn", prompt=1)
+    assert int((~text.values.isnan()).sum()) == steps
+    with pytest.raises(InputError, match="kind="):
+        plots.top_components_heatmap(attr, kind="heads")
