@@ -32,11 +32,12 @@ CHATS = [[{"role": "user", "content": "What is the capital of France? Answer in 
          [{"role": "user", "content": "What is 2 + 2?"}]]
 
 
-def plain_error(model, attr) -> float:
-    """Max over the generated steps of ``|parts + constant - plain forward's logit difference| / max(1, |logit|)``."""
+def plain_error(model, attr) -> tuple[float, float]:
+    """Max over the generated steps of ``|parts + constant - plain forward's logit difference|``, over ``max(1,
+    |logit|)`` and over twice the step's self-check bound (two forwards, each within it)."""
     import torch
 
-    worst = 0.0
+    worst, over_bound = 0.0, 0.0
     for b, (answer, contrasts) in enumerate(zip(attr.generation.answers, attr.generation.contrast_ids)):
         start = attr.generation.prompt_lengths[b] - 1
         ids = torch.tensor([ids_of(attr, b)])
@@ -46,7 +47,8 @@ def plain_error(model, attr) -> float:
             want = float(z[start + k, token] - z[start + k, other])
             total = float(attr.values[b, k].double().sum() + attr.constant[b, k].double())
             worst = max(worst, abs(total - want) / max(1.0, abs(want)))
-    return worst
+            over_bound = max(over_bound, abs(total - want) / (2 * float(attr.diagnostics["bound"][b, k])))
+    return worst, over_bound
 
 
 def ids_of(attr, b: int) -> list[int]:
@@ -81,13 +83,17 @@ def measure(dtype, args) -> dict:
     timed = common.time_methods(methods, args.repeats, warmup=1, baseline="generation")
     gap = attr.generation.gap[attr.mask].double()
     logit = attr.output_logit[attr.mask].double()
+    bound = attr.diagnostics["bound"][attr.mask].double()
+    error, error_over_bound = plain_error(model, attr)
     return {
         "steps": int(attr.mask.sum()),
         "answers": [t[:60] for t in attr.generation.texts],
         "gap_max_abs": float(gap.abs().max()),
         "gap_max_rel": float((gap.abs() / logit.abs().clamp(min=1.0)).max()),
         "gap_median_abs": float(gap.abs().median()),
-        "error_vs_plain_forward_rel": plain_error(model, attr),
+        "gap_over_2_bound": float((gap.abs() / (2 * bound)).max()),
+        "error_vs_plain_forward_rel": error,
+        "error_vs_plain_forward_over_2_bound": error_over_bound,
         "self_check_error": float(attr.error),
         "generation_s": timed["generation"]["median_s"],
         "attribution_s": timed["attribution"]["median_s"],
@@ -112,11 +118,12 @@ def main() -> None:
     out["load_average"] = common.load_average()
     print(json.dumps(out, indent=1))
     if args.markdown:
-        print("\n| dtype | steps | attribution / generation | gap max (abs) | gap max / max(1,|z|) | error vs plain "
-              "forward / max(1,|z|) |\n|---|---:|---:|---:|---:|---:|")
+        print("\n| dtype | steps | attribution / generation | gap max (abs) | gap max / max(1,|z|) | gap / 2 bound | "
+              "error vs plain forward / max(1,|z|) | error / 2 bound |\n|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, d in out["dtypes"].items():
             print(f"| {name} | {d['steps']} | {d['attribution_over_generation']:.3f} | {d['gap_max_abs']:.3g} | "
-                  f"{d['gap_max_rel']:.3g} | {d['error_vs_plain_forward_rel']:.3g} |")
+                  f"{d['gap_max_rel']:.3g} | {d['gap_over_2_bound']:.3g} | {d['error_vs_plain_forward_rel']:.3g} | "
+                  f"{d['error_vs_plain_forward_over_2_bound']:.3g} |")
 
 
 if __name__ == "__main__":
