@@ -265,11 +265,17 @@ def test_remote_equals_local(server):
     assert remote.generation.contrast_ids == local.generation.contrast_ids
     assert torch.equal(remote.values, local.values) and torch.equal(remote.constant, local.constant)
     assert all(p.device.type == "meta" for p in remote_model._module.parameters())
+    sampling = {"do_sample": True, "temperature": 2.0}  # seeded on the server, in the session and in the request
     with server.client():
-        stats = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, by="head", remote=True, reduce="stats")
+        stats = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, by="head", remote=True, reduce="stats",
+                                                 generate=sampling, seed=3)
+        sampled = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, remote=True, generate=sampling, seed=3)
     with single_threaded():
-        alone = dla_recipes.attribute_generation(local_model, PROMPTS, 4, by="head", reduce="stats")
-    assert stats.count == alone.count == int(local.mask.sum()) and torch.equal(stats.mean, alone.mean)
+        alone = dla_recipes.attribute_generation(local_model, PROMPTS, 4, by="head", reduce="stats",
+                                                 generate=sampling, seed=3)
+        here = dla_recipes.attribute_generation(local_model, PROMPTS, 4, generate=sampling, seed=3)
+    assert sampled.generation.answers == here.generation.answers != local.generation.answers
+    assert stats.count == alone.count == int(here.mask.sum()) and torch.equal(stats.mean, alone.mean)
 
 
 @pytest.mark.server

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from ..api import attribute
-from ..args import check_call
+from ..args import check_batch_size, check_granularity, check_remote, check_tolerance
 from ..errors import InputError
 from ..loading.load import as_standardized
 from ..plan import build_plan
@@ -69,7 +69,9 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
         A ``GenerationAttribution`` (``reduce="sum"``: an ``Attribution``, ``"stats"``: an ``AttributionStats``).
         Raises ``ExactnessError`` when the parts do not sum to the teacher-forced pass's own logit.
     """
-    check_call(prompts if isinstance(prompts, str) else ["x"], by, batch_size, tolerance, remote)
+    check_granularity(by)
+    check_remote(remote)
+    batch_size, tolerance = check_batch_size(batch_size), check_tolerance(tolerance)
     model = as_standardized(model)
     plan = build_plan(model)
     problems: list[str] = []

@@ -79,6 +79,8 @@ def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tens
                 if settings.seed is not None:
                     torch.manual_seed(settings.seed)
                 with torch.no_grad(), model.generate(dict(encoding), **kwargs, **options) as tracer:
+                    if remote and settings.seed is not None:  # the server's sampler, before the first step
+                        torch.manual_seed(settings.seed)
                     out = nnsight.save(step_readout(tracer.result, width, chosen))
             return out
         except Exception as error:
