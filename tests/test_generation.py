@@ -347,3 +347,7 @@ def test_plots_of_an_answer():
     assert int((~text.values.isnan()).sum()) == steps
     with pytest.raises(InputError, match="kind="):
         plots.top_components_heatmap(attr, kind="heads")
+    picked = attr[[2, 0]]  # selecting prompts keeps their answers and gaps
+    assert picked.generation.answers == (attr.generation.answers[2], attr.generation.answers[0])
+    assert torch.equal(picked.values.nan_to_num(), attr.values[[2, 0]].nan_to_num())
+    assert torch.equal(picked.generation.gap.nan_to_num(), attr.generation.gap[[2, 0]].nan_to_num())

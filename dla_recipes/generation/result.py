@@ -9,10 +9,11 @@ the teacher-forced one (also ``diagnostics["generation_gap"]``, ``[batch, n_step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..present.attribution import row_index
 from ..present.positions import PositionAttribution
 from .inputs import Settings
 
@@ -41,6 +42,13 @@ class Generation:
     settings: Settings
     chat: bool = False
 
+    def select(self, rows: list[int]) -> Generation:
+        """The record of the prompts ``rows`` (in that order)."""
+        pick = lambda values: None if values is None else tuple(values[i] for i in rows)
+        return replace(self, answers=pick(self.answers), texts=pick(self.texts),
+                       prompt_lengths=pick(self.prompt_lengths), contrast_ids=pick(self.contrast_ids),
+                       gap=self.gap[torch.as_tensor(rows, dtype=torch.long)])
+
     @property
     def max_gap(self) -> float:
         """The largest ``|gap|`` over the generated steps."""
@@ -51,12 +59,18 @@ class Generation:
 @dataclass(eq=False)
 class GenerationAttribution(PositionAttribution):
     """``PositionAttribution`` over the generated steps (``values [batch, n_steps, n_components]``), plus
-    ``generation``. Selecting prompts (``attr[i]``) returns a plain ``PositionAttribution`` of them."""
+    ``generation``; selecting prompts (``attr[i]``, ``attr[[0, 2]]``, a mask) keeps their answers."""
 
     generation: Generation | None = None
 
+    def __getitem__(self, rows) -> GenerationAttribution:
+        picked = super().__getitem__(rows)
+        chosen = row_index(rows, len(self))
+        return GenerationAttribution(picked.sites, picked.index, picked.prompts, picked.tokens,
+                                     generation=None if self.generation is None else self.generation.select(chosen))
+
     def __repr__(self) -> str:
-        text = super().__repr__()
+        text = super().__repr__().replace("PositionAttribution(", "GenerationAttribution(", 1)
         if self.generation is None:
             return text
         return (f"{text[:-1]}, answers {[t[:30] for t in self.generation.texts[:2]]}"
