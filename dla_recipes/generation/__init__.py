@@ -90,8 +90,8 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
     check_given(contrast, chosen, generated)
     sequences, spans = forced(generated.prompts, generated.answers)
     grid = contrast_grid(contrast, generated.answers, generated.runner_up, chosen)
-    attr = attribute(model, sequences, "next", contrast=grid, position=spans, by=by, remote=remote, batch_size=batch_size, progress=progress,
-                     tolerance=tolerance, reduce=reduce)
+    attr = attribute(model, sequences, "next", contrast=grid, position=spans, by=by, remote=remote,
+                     batch_size=batch_size, progress=progress, tolerance=tolerance, reduce=reduce)
     if not isinstance(attr, PositionAttribution):
         return attr
     return with_generation(model, attr, generated, settings, contrast, chosen, chat)
