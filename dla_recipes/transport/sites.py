@@ -2,8 +2,8 @@
 
 ``place`` turns ``position=`` (an int, a list, a slice, ``"all"``, a slice per prompt: ``args.check_position``) into
 each prompt's own positions, laid out in columns: column ``k`` of a list is its ``k``-th position; of a slice (or a
-prompt's own slice), the ``k``-th position the slice takes from each prompt (``"all"``: column ``k`` is own position ``k``), so a prompt shorter than the
-others has its last columns masked. ``target="next"`` keeps the sites with a token after them. ``targets_of``
+prompt's own slice), the ``k``-th position the slice takes from each prompt (``"all"``: column ``k`` is own
+position ``k``), so a prompt shorter than the others has its last columns masked. ``target="next"`` keeps the sites with a token after them. ``targets_of``
 resolves ``target`` / ``contrast`` per site: a token (string or id), a weighted set ``{" Paris": 1.0, "Paris":
 1.0}``, ``contrast="mean"``, one per prompt (a list), or one per prompt and position (``[batch, n_positions]``).
 Every bad position and token of a batch is named in one ``InputError``. ``remembered``: what a tokenizer made of a
