@@ -240,6 +240,12 @@ def test_bad_input_is_named_at_once():
         dla_recipes.attribute(model, PROMPTS, "next", position=[slice(0, 2)] * 2)
     with pytest.raises(InputError, match="fewer tokens than the answer"):
         dla_recipes.attribute_generation(model, PROMPTS, 3, contrast=[["w30"]] * 3)
+    config = model._module.generation_config
+    before, config.temperature = config.temperature, 0.6  # a checkpoint's own config that transformers only warns
+    try:                                                    # about is not the caller's fault
+        assert dla_recipes.attribute_generation(model, PROMPTS[:1], 2).generation.settings.seed is None
+    finally:
+        config.temperature = before
 
 
 @pytest.fixture(scope="module")

@@ -123,12 +123,13 @@ def check_settings(generation_config, max_new_tokens, generate, seed, problems: 
                             f"(beam search keeps tokens no single step chose): leave {name} at 1")
     config = copy.deepcopy(generation_config)
     if config is not None:
+        strict = validates(config)  # a checkpoint's own config that transformers only warns about stays allowed
         unknown = config.update(**options)
         if unknown:
             problems.append(f"generate={{{', '.join(map(repr, sorted(unknown)))}: ...}}: not a generate() option "
                             "transformers knows (see transformers.GenerationConfig)")
         try:
-            config.validate(strict=True)
+            config.validate(strict=strict)
         except ValueError as error:  # transformers' own verdict on the options
             problems.append(f"generate={options!r}: transformers refuses these options: {error}")
     sampled = bool(getattr(config, "do_sample", False)) if config is not None else bool(options.get("do_sample"))
@@ -143,6 +144,15 @@ def check_settings(generation_config, max_new_tokens, generate, seed, problems: 
         seed = int(torch.randint(0, 2 ** 31 - 1, ()))  # drawn from the caller's generator, and recorded
     options = {**options, "do_sample": sampled}
     return Settings(int(max_new_tokens), tuple(sorted(options.items())), None if not sampled else int(seed))
+
+
+def validates(config) -> bool:
+    """Whether ``config`` (a ``GenerationConfig``) passes transformers' strict validation as it is."""
+    try:
+        copy.deepcopy(config).validate(strict=True)
+    except ValueError:
+        return False
+    return True
 
 
 def sampler_problems(options: Mapping) -> list[str]:
