@@ -128,6 +128,14 @@ def test_answer_is_transformers_generate_and_parts_are_the_plain_forward(family,
     assert attr.target_tokens == tuple(tuple(decode([t]) for t in a) + ("",) * (attr.n_positions - len(a))
                                        for a in answers)
     check_answer(model, attr, prompts, answers, contrasts, f"{family} by {by}")
+    # the gap is the generation's own: transformers' raw logits (the same decoding) minus the teacher-forced value;
+    # model: gap + output_logit and the raw difference each round a float32 subtraction or two (u = 2^-24 each)
+    for b, (z, answer, other) in enumerate(zip(logits, answers, contrasts)):
+        k = torch.arange(len(answer))
+        own = (z[k, torch.tensor(answer)] - z[k, torch.tensor(other)]).double()
+        back = attr.generation.gap[b, :len(answer)].double() + attr.output_logit[b, :len(answer)].double()
+        limit = 4 * 2.0 ** -24 * (own.abs() + attr.output_logit[b, :len(answer)].double().abs() + 1e-30)
+        assert bool(((back - own).abs() <= limit).all()), (family, b, back, own)
     frame = attr.to_frame()  # one row a (step, component), plus each step's constant and logit
     assert len(frame) == int(attr.mask.sum()) * (len(attr.labels) + 2)
 
