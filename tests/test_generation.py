@@ -170,6 +170,8 @@ def test_chat_messages_go_through_the_chat_template():
     try:
         chat = dla_recipes.attribute_generation(model, chats, 3, by="head")
         single = dla_recipes.attribute_generation(model, chats[0], 3, by="head")  # one conversation
+        stats = dla_recipes.attribute_dataset(model, [{"chat": c} for c in chats], prompt="chat", by="head",
+                                              generate={"max_new_tokens": 3}, reduce="stats")  # a column of them
     finally:
         model.tokenizer.chat_template = None
     rendered = [[2, 5, 6, 7, 3, 4], [2, 9, 3, 2, 11, 3, 4]]  # w2 <content> w3 per message, then w4
@@ -179,6 +181,7 @@ def test_chat_messages_go_through_the_chat_template():
     assert torch.equal(chat.values.nan_to_num(), plain.values.nan_to_num())
     assert chat.positions[:, 0].tolist() == [5, 6]  # the position after the generation prompt predicts token 0
     assert single.generation.answers == chat.generation.answers[:1]
+    assert stats.count == int(chat.mask.sum())
     check_answer(model, chat, rendered, chat.generation.answers, None, "chat")
 
 
