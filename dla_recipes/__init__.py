@@ -41,6 +41,7 @@ from .errors import (
     TraceUsageError,
     UnknownFamilyError,
 )
+from .generation import attribute_generation
 from .in_trace import TracedAttribution, trace_attribution
 from .loading import models
 from .loading.load import load
@@ -79,6 +80,7 @@ __all__ = [
     "attribute",
     "attribute_dataset",
     "attribute_direction",
+    "attribute_generation",
     "attribute_scores",
     "families",
     "head_slice",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .args import Check, Granularity, check_call, check_check, check_int
+from .args import Check, Granularity, check_call, check_check, check_int, check_position
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
 from .plan import build_plan
@@ -31,6 +31,7 @@ from .transport.batches import groups, offsets, plain, prepare, resolve_all, tok
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
+from .transport.sites import for_prompts
 from .transport.stats import pair_groups, stats_calls
 
 
@@ -180,7 +181,8 @@ def attribute(
             (as ``target``), or ``"mean"`` (the mean logit over the vocabulary). A contrast equal to the target
             gives 0.
         position: an int (negative counts from the end of each prompt's own tokens, so padding never shifts it), a
-            list of ints, a ``slice`` of each prompt's own tokens or ``"all"``. With more than one, the result is a
+            list of ints, a ``slice`` of each prompt's own tokens, ``"all"``, or a list of one slice per prompt (each
+            prompt's own span: an answer). With more than one, the result is a
             ``PositionAttribution`` (``values [batch, n_positions, n_components]``, masked where a prompt is
             shorter), computed in the same ONE forward pass.
         by: ``"block"`` (embed, then each block's terms), ``"head"``, ``"neuron"`` (MLP neurons, and the neurons
@@ -237,6 +239,10 @@ def attribute(
     prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
     check_reduce(reduce)
     check_check(check)
+    if isinstance(target, str) and target == "generated":  # the answer is not known before it is generated
+        raise InputError("target='generated': the model's own answer is attributed by dla_recipes.attribute_generation("
+                         "model, prompts, max_new_tokens=..., contrast=...), which generates it and chooses each "
+                         "answer's positions itself (no position=)")
     if blocking is not True and (blocking is not False or not remote):
         raise InputError(f"blocking={blocking!r}: blocking=False (a handle to wait on) needs remote=True or a URL")
     model = as_standardized(model)
@@ -252,9 +258,11 @@ def attribute(
     run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
                   else groups(model, plan, prompts, batch_size, ids))
 
+    position = check_position(position)
+
     def batches_for(target):
         return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
-                             position, rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
+                             for_prompts(position, g, n), rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
 
     if target is None:  # the model's own top token at each site: one more forward pass reads it
         batches = batches_for(0)
@@ -262,8 +270,8 @@ def attribute(
                            remote=remote, progress=progress, intervene=intervene, desc="top tokens")
         if tops.error is not None:
             raise tops.error
-        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n), position,
-                                rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
+        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),
+                                for_prompts(position, g, n), rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
     else:
         batches = batches_for(target)
         check_grid(target, batches, "target")
@@ -373,7 +381,8 @@ def attribute_direction(
     ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
     run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
                   else groups(model, plan, prompts, batch_size, ids))
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, position, rows=g,
+    position = check_position(position)
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, for_prompts(position, g, len(prompts)), rows=g,
                             ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
     if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
         raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "

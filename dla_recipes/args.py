@@ -218,13 +218,15 @@ def check_int(value, role: str) -> int:
     return index
 
 
-Position = int | tuple[int, ...] | slice  # one position (today's shapes), a list of them, or a slice of each prompt
+# one position (today's shapes), a list of them, a slice of each prompt, or one slice per prompt (its own span)
+Position = int | tuple[int, ...] | slice | tuple[slice, ...]
 
 
 def check_position(position) -> Position:
     """``position`` checked: an int (Python, numpy, 0-d integer tensor), a list / tuple / 1-D tensor of ints, a
-    ``slice`` of each prompt's own tokens, or ``"all"`` (``slice(None)``). Negative values count from the end of each
-    prompt's own tokens."""
+    ``slice`` of each prompt's own tokens, ``"all"`` (``slice(None)``), or a list of one slice per prompt (each
+    prompt's own span, e.g. its answer: column ``k`` is the ``k``-th position of each span). Negative values count
+    from the end of each prompt's own tokens."""
     usage = ("give an int, a list of ints, a slice or 'all' (negative values count from the end of each prompt's "
              "own tokens)")
     if isinstance(position, str):
@@ -248,6 +250,8 @@ def check_position(position) -> Position:
     if isinstance(many, (list, tuple, range)):
         if not many:
             raise InputError(f"position={position!r} is empty: {usage}")
+        if all(isinstance(p, slice) for p in many):  # one span per prompt
+            return tuple(check_position(p) for p in many)
         items = [as_index(p, f"position {k} of the list") for k, p in enumerate(many)]
         if any(p is None for p in items):
             raise InputError(f"position={position!r} holds a value that is not an int: {usage}")

@@ -301,7 +301,7 @@ STAGES: dict[str, tuple[str, ...]] = {
                       "result", "face"),
     "testing": GROUND + ("face",),
 }
-FACE = ("api", "in_trace", "datasets", "scores", "__main__")
+FACE = ("api", "in_trace", "datasets", "generation", "scores", "__main__")
 
 
 def stage_of(name: str, package: str = PACKAGE) -> str:

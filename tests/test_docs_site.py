@@ -37,7 +37,7 @@ CHROMIUM_FLAGS = (
     "--hide-scrollbars",
 )
 NOTEBOOK_PAGES = ["quickstart/", "how-it-works/", "heads-and-neurons/", "which-token/", "why-the-head-attended/",
-                  "every-position/", "a-dataset/", "families/", "remote/",
+                  "every-position/", "what-the-model-says/", "a-dataset/", "families/", "remote/",
                   "attribute-direction/", "ablate-patch-steer/", "gallery/"]
 PAGES = ["", *NOTEBOOK_PAGES, "family-table/", "layout/", "api/"]
 

@@ -12,7 +12,8 @@ import inspect
 
 import dla_recipes
 
-VERBS = {"load", "attribute", "attribute_direction", "attribute_dataset", "attribute_scores", "trace_attribution"}
+VERBS = {"load", "attribute", "attribute_direction", "attribute_dataset", "attribute_generation", "attribute_scores",
+         "trace_attribution"}
 NAMESPACES = {"families", "math", "models", "plan", "plots", "trace"}
 TYPES = {"Attribution", "PositionAttribution", "ScoreAttribution", "TracedAttribution", "HeadSlice", "AttributionStats",
          "Stats"}

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from ..api import attribute
 from ..args import check_batch_size
 from ..errors import InputError
+from ..generation import KEYWORDS, for_rows
 from ..loading.load import as_standardized
 from ..plan import build_plan
 from ..present import parquet
@@ -52,7 +53,8 @@ class Versus:
 
 def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast=None, by="block", position=-1,
                       reduce=None, out=None, batch_size: int = 32, remote=False, progress: bool | None = None,
-                      intervene=None, tolerance: float | None = None, compare=None, **stats):
+                      intervene=None, tolerance: float | None = None, compare=None, generate: dict | None = None,
+                      **stats):
     """Attribute every row of ``data``: its ``prompt`` column's prompt, its target (minus its contrast), in chunks
     of ``batch_size`` rows, one ``attribute`` call a chunk (one forward pass; ``remote``: one request).
 
@@ -69,6 +71,9 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
         reduce: ``None`` (one row a prompt, or a site with several positions), ``"sum"`` (each prompt's positions
             summed, as ``attribute``), ``"stats"`` or a ``Stats(replicates=, seed=)`` (``attribute(...,
             reduce="stats")`` a chunk, merged exactly: an ``AttributionStats``; ``**stats``: ``Stats``' fields).
+        generate: ``dict(max_new_tokens=8, ...)`` (and transformers ``generate`` options, ``seed``): attribute
+            each row's own generated answer instead of a target (``attribute_generation``: every generated step a
+            site; ``contrast`` may be ``"runner-up"``); ``target`` and ``position`` are then not read.
         compare: with statistics, a second condition (``Versus``: a second prompt column, another edit, another
             model): the statistics are of the per-site differences first - second.
         out: a directory (``"runs/ioi.parquet"``). The rows are written there chunk by chunk, one Parquet part a
@@ -101,27 +106,35 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     if versus is not None and (not isinstance(versus, Versus) or stats_record is None):
         raise InputError(f"compare={compare!r}: give Versus(prompt=..., intervene=..., model=...) or a column name, "
                          "with reduce='stats' (the statistics of the per-prompt differences)")
-    specs = {"prompt": data_rows.spec(prompt, "prompt"), "target": data_rows.spec(target, "target", ("next",)),
-             "contrast": data_rows.spec(contrast, "contrast", ("mean",))}
+    if generate is not None and versus is not None:
+        raise InputError("compare= with generate=: the two conditions would generate different answers; attribute "
+                         "each with its own attribute_dataset call")
+    specs = {"prompt": data_rows.spec(prompt, "prompt"),
+             "target": data_rows.spec(target, "target", ("next",)) if generate is None else Same("generated"),
+             "contrast": data_rows.spec(contrast, "contrast", ("mean",) if generate is None else KEYWORDS)}
     if versus is not None and versus.prompt is not KEEP:
         specs["versus"] = data_rows.spec(versus.prompt, "compare")
     src = data_rows.source(data)
     model = as_standardized(model)
     call = {"by": by, "position": position, "remote": remote, "intervene": intervene, "tolerance": tolerance}
+    verb = attribute if generate is None else for_rows(generate)
     if stats_record is None and out is None:  # everything in memory: one attribute call, batched as attribute does
         chunks = list(data_rows.chunks(src, batch_size, specs))
         if not chunks:
             raise InputError("the data has no rows")
         whole = data_rows.Chunk(*([v for c in chunks for v in getattr(c, f)] for f in ("rows", "prompts", "targets",
                                                                                       "contrasts")))
-        return attribute(model, whole.prompts, **values_of(whole, specs), batch_size=batch_size, progress=progress,
-                         reduce=reduce, **call)
+        return verb(model, whole.prompts, **values_of(whole, specs), batch_size=batch_size, progress=progress,
+                    reduce=reduce, **call)
     meta = meta_of(model, specs, call, repr(stats_record) if stats_record is not None else reduce, versus)
     parts = None if out is None else parquet.Parts(out)
     if parts is not None:
         parts.start(meta)
 
     def attribute_chunk(chunk, how):  # how: the chunk's Stats, or None for the rows (reduce None or "sum")
+        if generate is not None:
+            return verb(model, chunk.prompts, **values_of(chunk, specs), batch_size=len(chunk.prompts),
+                        progress=False, reduce=reduce if how is None else how, **call)
         return attribute_rows(model, chunk, specs, call, reduce if how is None else how, versus)
 
     if stats_record is None:

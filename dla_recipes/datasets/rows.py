@@ -181,13 +181,16 @@ def is_int(value) -> bool:
 
 
 def prompt_value(value) -> tuple[object, str]:
-    """``(prompt, "")``: a non-empty string or a non-empty list of token ids; else ``(None, why)``."""
+    """``(prompt, "")``: a non-empty string, a non-empty list of token ids or a conversation (a list of
+    ``{"role", "content"}`` dicts); else ``(None, why)``."""
     if isinstance(value, str):
         return (value, "") if value.strip() else (None, f"an empty prompt ({value!r})")
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # a numpy array / tensor of ids (a Dataset's or DataFrame's token column)
     if isinstance(value, (list, tuple)) and value and all(is_int(v) for v in value):
         return [int(v) for v in value], ""
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) and "role" in v for v in value):
+        return [dict(v) for v in value], ""  # a conversation: chat messages (attribute_dataset(generate=...))
     what = "an empty list" if isinstance(value, (list, tuple)) and not value else f"a {type(value).__name__}"
     return None, f"{what} ({short(value)}), not a prompt: give a string or a list of token ids"
 

@@ -29,11 +29,11 @@ import math
 import torch
 
 from .display import PlotDisplay, in_notebook, show, static_png
-from .position_plots import TokenText, positions_heatmap, token_text
+from .position_plots import TokenText, positions_heatmap, token_text, top_components_heatmap
 
 __all__ = ["PlotDisplay", "TokenText", "block_values", "blocks_bar", "heads_heatmap", "in_notebook",
-           "positions_heatmap", "show", "source_matrix", "sources_heatmap", "static_png", "stats_bars", "token_text", "top_bar",
-           "top_table"]
+           "positions_heatmap", "show", "source_matrix", "sources_heatmap", "static_png", "stats_bars", "token_text",
+           "top_bar", "top_components_heatmap", "top_table"]
 
 _COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "experts": "#d62728", "mixer": "#2ca02c",
            "ple": "#9467bd"}

@@ -1,6 +1,7 @@
 """Plots of a ``PositionAttribution`` (several positions a prompt), re-exported by ``plots``: one prompt's positions.
 
     plots.positions_heatmap(attr, prompt=0)              # blocks (y) x the prompt's positions (x: token -> target)
+    plots.top_components_heatmap(attr, k=12, kind="head")  # its k largest heads (y) x the prompt's positions
     plots.token_text(attr, component="L5.attn")          # the prompt's text, each token coloured by that part
 
 ``positions_heatmap`` returns a ``plotly.graph_objects.Figure`` (plotly imported inside it, as in ``plots``: ``pip
@@ -17,7 +18,7 @@ import math
 import torch
 
 from ..errors import InputError
-from .attribution import row_index, short
+from .attribution import KINDS, row_index, short
 
 INSTALL = 'pip install "dla_recipes[plots]"  (or: pip install plotly matplotlib jinja2)'
 RAISE, LOWER = (178, 24, 43), (33, 102, 172)  # RdBu's ends: the colour of a positive part, of a negative part
@@ -63,31 +64,56 @@ def positions_heatmap(attr, prompt: int = 0, quantity: str | None = None):
     forward order from the top; heads / neurons / experts summed into their block, ``blocks()``) of the logit at
     each attributed position (x: the position, its token and the target token predicted there), diverging at 0.
     Masked positions (the prompt is shorter) are left out."""
-    go = plotly()
-
     b, rows, positions = prompt_sites(attr, prompt)
     blocks = attr.blocks() if attr.by != "block" else attr
     z = blocks.sites.values[rows].T if rows else torch.zeros(len(blocks.labels), 0)  # [n_blocks, n_positions]
+    title = heading(attr, b, f"Blocks by position ({attr.family})", quantity, len(rows))
+    return _heatmap(attr, b, rows, positions, list(blocks.labels), z, title, quantity, "positions_heatmap",
+                    "component (forward order)")
+
+
+def top_components_heatmap(attr, k: int = 12, prompt: int = 0, kind: str | None = None, quantity: str | None = None):
+    """The ``k`` components (``kind``: ``"head"``, ``"neuron"``, ... only) with the largest ``|part|`` summed over
+    one prompt's attributed positions (y, largest first) x those positions (x: token -> target), diverging at 0:
+    e.g. an answer's tokens x its top heads (``attribute_generation(..., by="head")``)."""
+    b, rows, positions = prompt_sites(attr, prompt)
+    if kind is not None and kind not in KINDS:
+        raise InputError(f"kind={kind!r}: use one of {', '.join(map(repr, KINDS))}, or None for all")
+    columns = [i for i, c in enumerate(attr.components) if kind is None or KINDS[kind](c)]
+    if not columns:
+        raise InputError(f"kind={kind!r}: no component of this attribution is of that kind")
+    values = attr.sites.values[rows][:, columns] if rows else torch.zeros(0, len(columns))  # [n_positions, n]
+    order = values.abs().sum(0).argsort(descending=True)[:k].tolist()
+    z = values[:, order].T  # [k, n_positions]
+    title = heading(attr, b, f"Top {len(order)} {kind or 'component'}s by position ({attr.family})", quantity,
+                    len(rows))
+    return _heatmap(attr, b, rows, positions, [attr.labels[columns[i]] for i in order], z, title, quantity,
+                    "top_components_heatmap", "component (largest |part| first)")
+
+
+def _heatmap(attr, b: int, rows, positions, labels: list, z: torch.Tensor, title: str, quantity, name: str,
+             ytitle: str):
+    """The figure of ``z`` ``[len(labels), len(rows)]``: rows ``labels`` x the prompt's sites."""
+    go = plotly()
     targets = [attr.sites.target_tokens[r] if attr.sites.target_tokens else "" for r in rows]
     columns = [f"{p}: {token_at(attr, b, p)!r}<br>→ {t!r}" for p, t in zip(positions, targets)]
     hover = [[f"{label} at {p} {token_at(attr, b, p)!r} (target {t!r})" for p, t in zip(positions, targets)]
-             for label in blocks.labels]
+             for label in labels]
     bound = float(z.abs().max()) if z.numel() else 0.0
     fig = go.Figure(go.Heatmap(
-        z=[[round(float(v), 6) for v in row] for row in z.tolist()], x=columns, y=list(blocks.labels),
+        z=[[round(float(v), 6) for v in row] for row in z.tolist()], x=columns, y=labels,
         customdata=hover, colorscale="RdBu", reversescale=True, zmid=0.0, zmin=-(bound or 1.0), zmax=bound or 1.0,
         colorbar=dict(title=dict(text="logit" if quantity is None else "")),
         hovertemplate="%{customdata}: %{z:.4f}<extra></extra>",
     ))
     fig.update_layout(
-        title=dict(text=heading(attr, b, f"Blocks by position ({attr.family})", quantity, len(rows)), x=0.01,
-                   xanchor="left"),
+        title=dict(text=title, x=0.01, xanchor="left"),
         xaxis=dict(title="position: token → target", categoryorder="array", categoryarray=columns, tickangle=-45,
                    tickfont=dict(size=10), automargin=True),
-        yaxis=dict(title="component (forward order)", autorange="reversed", automargin=True),
-        template="plotly_white", height=max(340, 20 * len(blocks.labels) + 200),
+        yaxis=dict(title=ytitle, autorange="reversed", automargin=True),
+        template="plotly_white", height=max(340, 20 * len(labels) + 200),
         margin=dict(l=80, r=20, t=80, b=100),
-        meta={"dla_plot": "positions_heatmap", "static_width": max(520, 56 * len(rows) + 260)},
+        meta={"dla_plot": name, "static_width": max(520, 56 * len(rows) + 260)},
     )
     return fig
 

@@ -1,9 +1,9 @@
 """Sites: which (prompt, position) pairs a batch attributes, and what each one attributes (its ``LinearTarget``).
 
-``place`` turns ``position=`` (an int, a list, a slice, ``"all"``: ``args.check_position``) into each prompt's own
-positions, laid out in columns: column ``k`` of a list is its ``k``-th position; of a slice, the ``k``-th position
-the slice takes from each prompt (``"all"``: column ``k`` is own position ``k``), so a prompt shorter than the
-others has its last columns masked. ``target="next"`` keeps the sites with a token after them. ``targets_of``
+``place`` turns ``position=`` (an int, a list, a slice, ``"all"``, a slice per prompt: ``args.check_position``) into
+each prompt's own positions, laid out in columns: column ``k`` of a list is its ``k``-th position; of a slice (or a
+prompt's own slice), the ``k``-th position the slice takes from each prompt (``"all"``: column ``k`` is own
+position ``k``), so a prompt shorter than the others has its last columns masked. ``target="next"`` keeps the sites with a token after them. ``targets_of``
 resolves ``target`` / ``contrast`` per site: a token (string or id), a weighted set ``{" Paris": 1.0, "Paris":
 1.0}``, ``contrast="mean"``, one per prompt (a list), or one per prompt and position (``[batch, n_positions]``).
 Every bad position and token of a batch is named in one ``InputError``. ``remembered``: what a tokenizer made of a
@@ -75,9 +75,12 @@ def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids:
     each prompt's own tokens). A listed position outside a prompt raises (every one named); a slice takes what each
     prompt has. ``next_token``: keep only sites with a token after them (``target="next"``)."""
     problems, per_prompt = [], []
-    for name, length in zip(names, lengths):
-        own = own_positions(position, length)
-        if not isinstance(position, slice):
+    spans = is_spans(position)
+    if spans and len(position) != len(lengths):
+        raise InputError(f"position is {len(position)} spans for {len(lengths)} prompts: give one slice per prompt")
+    for b, (name, length) in enumerate(zip(names, lengths)):
+        own = own_positions(position[b] if spans else position, length)
+        if not isinstance(position, slice) and not spans:
             bad = [p for p, o in zip((position,) if isinstance(position, int) else position, own) if o is None]
             if bad:
                 problems.append(f"position{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} "
@@ -89,7 +92,7 @@ def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids:
     if problems:
         raise InputError(problems[0] if len(problems) == 1 else
                          f"{len(problems)} prompts are too short for position={position!r}:\n  " + "\n  ".join(problems))
-    if isinstance(position, slice) and not any(any(o is not None for o in own) for own in per_prompt):
+    if (isinstance(position, slice) or spans) and not any(any(o is not None for o in own) for own in per_prompt):
         raise InputError(f"position={position!r} takes no position of any prompt (lengths {list(lengths)})")
     if next_token:
         empty = [f"{name} ({length} token{'s' if length != 1 else ''})" for name, length, own
@@ -109,6 +112,20 @@ def place(position: Position, lengths: Sequence[int], names: Sequence[str], ids:
                 owns.append(o)
                 columns.append(k)
     return Placed(tuple(rows), tuple(owns), tuple(columns), width, isinstance(position, int))
+
+
+def is_spans(position) -> bool:
+    """Whether ``position`` (checked: ``args.check_position``) is one slice per prompt (each prompt's own span)."""
+    return isinstance(position, tuple) and bool(position) and isinstance(position[0], slice)
+
+
+def for_prompts(position, group: Sequence[int], n: int):
+    """``position`` for the prompts ``group`` of a call of ``n``: itself, or (one span per prompt) theirs."""
+    if not is_spans(position):
+        return position
+    if len(position) != n:
+        raise InputError(f"position is {len(position)} spans for {n} prompts: give one slice per prompt")
+    return tuple(position[i] for i in group)
 
 
 Spec = str | int | dict  # one site's target: a token, or {token: weight}

@@ -1,0 +1,167 @@
+"""The model's own generation, locally or on NDIF: nnsight's ``model.generate`` over left-padded prompts, each
+step's raw logits reduced in the trace to a few numbers a step (so a remote answer returns ``[batch, steps]``
+tensors, never ``[batch, steps, vocab]``).
+
+Per generated step ``k`` of row ``b`` (the generation's OWN pass: the KV-cached decoding forward that chose the
+token, its logits before any sampling processor) the trace returns: the token; its logit; the runner-up, the
+most likely OTHER token (``argmax`` of the logits with the chosen token set to ``-inf``: for a greedy answer the
+second most likely token, for a sampled one the best token not drawn; ties go to the lowest id, as ``torch.max``
+breaks them) and its logit; the mean logit; and the logit of a contrast given per step. An EOS ends a row: its
+answer is the tokens through the first EOS (``Generated.answers``), what transformers writes after it is dropped.
+A family whose padding changes a prompt's logits generates its prompts grouped by length (``transport.batches``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nnsight
+import torch
+
+from ..transport.batches import groups
+from ..transport.remote import register_for_remote, retry_or_raise
+from .inputs import Settings
+
+
+@dataclass(frozen=True)
+class Generated:
+    """The answers, one row a prompt (the user's order).
+
+    Attributes:
+        prompts: each prompt's own ids ``[n][P_b]``.  answers: each answer's ids ``[n][A_b]``, through its EOS.
+        own, runner_up_logit, mean, chosen: ``[n][A_b]`` float32 from the generation's own pass: the generated
+            token's logit, the runner-up's, the mean logit over the vocabulary, the per-step contrast's (0 without).
+        runner_up: ``[n][A_b]`` the runner-up token ids.
+    """
+
+    prompts: tuple
+    answers: tuple
+    own: tuple
+    runner_up: tuple
+    runner_up_logit: tuple
+    mean: tuple
+    chosen: tuple
+
+
+def step_readout(result, width: int, chosen: torch.Tensor) -> tuple:
+    """In the trace: ``generate``'s output (``sequences [batch, width + steps]``, ``logits``: ``steps`` x ``[batch,
+    vocab]``) as ``(tokens, own, runner_up, runner_up_logit, mean, chosen_logit)``, each ``[batch, steps]``;
+    ``chosen``: ``[batch, >= steps]`` per-step contrast ids."""
+    logits = torch.stack(tuple(result.logits), 1).float()  # [batch, steps, vocab]
+    steps = logits.shape[1]
+    tokens = result.sequences[:, width:width + steps].to(logits.device)
+    own = logits.gather(-1, tokens[..., None])[..., 0]
+    rest = logits.scatter(-1, tokens[..., None], float("-inf"))
+    runner_logit, runner = rest.max(-1)  # the first maximal index on ties
+    picked = logits.gather(-1, chosen[:, :steps].to(logits.device)[..., None])[..., 0]
+    return tuple(t.cpu() for t in (tokens, own, runner, runner_logit, logits.mean(-1), picked))
+
+
+def left_padded(rows: list, pad: int) -> dict:
+    """``{"input_ids", "attention_mask"}`` ``[batch, width]``, the rows padded on the left (generation appends)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tensor, remote) -> tuple:
+    """One ``model.generate`` trace of a padded group; ``step_readout``'s tensors (retried remotely as a trace)."""
+    kwargs = settings.kwargs()
+    width = int(encoding["input_ids"].shape[1])
+    options = {"remote": remote} if remote else {}
+    if remote:
+        register_for_remote()
+    attempt = 0
+    while True:
+        try:
+            with torch.random.fork_rng(devices=_devices(model)):
+                if settings.seed is not None:
+                    torch.manual_seed(settings.seed)
+                with torch.no_grad(), model.generate(dict(encoding), **kwargs, **options) as tracer:
+                    if remote and settings.seed is not None:  # the server's sampler, before the first step
+                        torch.manual_seed(settings.seed)
+                    out = nnsight.save(step_readout(tracer.result, width, chosen))
+            return out
+        except Exception as error:
+            if not remote:
+                raise
+            attempt = retry_or_raise(error, attempt, remote)
+
+
+def _devices(model) -> list:
+    """The CUDA devices whose generator a local sampled run forks and seeds (none on CPU)."""
+    device = getattr(getattr(getattr(model, "_module", None), "lm_head", None), "weight", None)
+    device = getattr(device, "device", None)
+    return [device] if getattr(device, "type", "") == "cuda" else []
+
+
+def eos_ids(model, settings: Settings) -> set[int]:
+    """The token ids that end an answer: ``eos_token_id`` of the options, else of the model's generation config."""
+    eos = dict(settings.options).get("eos_token_id")
+    if eos is None:
+        config = getattr(getattr(model, "_module", None), "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def pad_id(model, settings: Settings) -> int:
+    """The id the prompts are left-padded with: the tokenizer's pad token, else an EOS (masked either way)."""
+    pad = model.tokenizer.pad_token_id
+    return pad if pad is not None else next(iter(sorted(eos_ids(model, settings))), 0)
+
+
+def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, remote=False,
+             batch_size: int | None = None) -> Generated:
+    """The answers of ``prompts`` (own ids ``[n][P_b]``); ``chosen``: per-step contrast ids ``[n][max_new_tokens]``
+    (None: no such contrast)."""
+    stop, pad = eos_ids(model, settings), pad_id(model, settings)
+    rows: list = [None] * len(prompts)
+    for group in groups(model, plan, prompts, batch_size, [list(p) for p in prompts]):
+        encoding = left_padded([prompts[i] for i in group], pad)
+        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens), remote)
+        for k, i in enumerate(group):
+            rows[i] = row_of(out, k, stop)
+    return collect(prompts, rows)
+
+
+def chosen_ids(chosen: list | None, group, width: int) -> torch.Tensor:
+    """``[len(group), width]`` the group's per-step contrast ids (zeros without)."""
+    if chosen is None:
+        return torch.zeros(len(group), width, dtype=torch.long)
+    return torch.tensor([chosen[i] for i in group], dtype=torch.long)
+
+
+def row_of(out: tuple, k: int, stop: set[int]) -> tuple:
+    """Row ``k`` of ``step_readout``'s tensors, cut after its first EOS (``stop``): ``(answer ids, *[A] tensors)``."""
+    tokens = out[0][k].tolist()
+    end = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
+    return (tuple(tokens[:end]), *(t[k, :end].float() for t in out[1:]))
+
+
+def collect(prompts, rows: list) -> Generated:
+    """The ``Generated`` record of every prompt's ``row_of``."""
+    return Generated(tuple(tuple(p) for p in prompts), tuple(r[0] for r in rows), tuple(r[1] for r in rows),
+                     tuple(tuple(int(t) for t in r[2]) for r in rows), tuple(r[3] for r in rows),
+                     tuple(r[4] for r in rows), tuple(r[5] for r in rows))
+
+
+def forced(prompts, answers) -> tuple[list, tuple]:
+    """The teacher-forced pass's inputs: each prompt + its answer (own ids), and the span of positions that
+    predicted the answer's tokens (``slice(P_b - 1, P_b - 1 + A_b)``: ``attribute``'s ``position``, one a prompt)."""
+    sequences = [list(p) + list(a) for p, a in zip(prompts, answers)]
+    return sequences, tuple(slice(len(p) - 1, len(p) - 1 + len(a)) for p, a in zip(prompts, answers))
+
+
+def contrast_grid(contrast, answers, runner_up, chosen):
+    """The ``contrast`` ``attribute`` gets: None, ``"mean"``, or ``[n][n_steps]`` ids (each step's runner-up, or
+    the contrast given per step: ``chosen`` rows), 0-filled past a row's answer (masked sites read none)."""
+    if contrast is None or isinstance(contrast, str) and contrast == "mean":
+        return contrast
+    width = max(len(a) for a in answers)
+    rows = runner_up if isinstance(contrast, str) else [c[:len(a)] for c, a in zip(chosen, answers)]
+    return [list(r)[:len(a)] + [0] * (width - min(len(a), len(r))) for r, a in zip(rows, answers)]
