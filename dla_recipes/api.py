@@ -23,7 +23,7 @@ from .loading.load import as_standardized
 from .plan import build_plan
 from .plan import sources as source_split
 from .present.attribution import Attribution
-from .present.stats import Stats, as_stats
+from .present.stats import as_stats, check_reduce
 from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.recipe import DirectionCall, LogitCall, TopCall
@@ -128,12 +128,6 @@ def check_grid(value, batches, role: str) -> None:
     if widths != {width}:
         raise InputError(f"{role} is a grid of {len(value)} x {sorted(widths)}: a {role} per prompt and position is "
                          f"[batch, n_positions] = [{len(value)}, {width}] (the positions as position= lists them)")
-
-
-def check_reduce(reduce) -> None:
-    if not (reduce is None or isinstance(reduce, Stats) or isinstance(reduce, str) and reduce in ("sum", "stats")):
-        raise InputError(f"reduce={reduce!r}: use None (one row a position), 'sum' (each prompt's positions summed), "
-                         "'stats' or dla_recipes.Stats(...) (per-component statistics over the sites, in the trace)")
 
 
 def groups_of(request: _Request) -> list[list[int]]:

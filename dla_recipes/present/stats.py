@@ -63,6 +63,13 @@ class Stats:
             raise InputError(f"Stats(paired={self.paired!r}): paired is True or False")
 
 
+def check_reduce(reduce) -> None:
+    """``reduce=``: None, ``"sum"``, ``"stats"`` or a ``Stats``, else an ``InputError`` naming the choices."""
+    if not (reduce is None or isinstance(reduce, Stats) or isinstance(reduce, str) and reduce in ("sum", "stats")):
+        raise InputError(f"reduce={reduce!r}: use None (one row a position), 'sum' (each prompt's positions summed), "
+                         "'stats' or dla_recipes.Stats(...) (per-component statistics over the sites, in the trace)")
+
+
 def as_stats(reduce) -> Stats | None:
     """``reduce`` as a ``Stats`` record (``"stats"``: the defaults), or None for the other choices."""
     if isinstance(reduce, Stats):
