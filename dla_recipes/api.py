@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import features
 from .args import Granularity, check_call, check_int
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
@@ -160,6 +161,7 @@ def attribute(
     sources: dict | None = None,
     reduce=None,
     blocking: bool = True,
+    dictionaries: dict | None = None,
 ):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -221,6 +223,10 @@ def attribute(
         blocking: ``False`` (with ``remote``): submit the jobs and return at once a ``RemoteJob`` handle:
             ``.status()``, ``.result()`` (waits, returns the attribution), ``.resume()`` (sends again what a
             restarted or unreachable server lost).
+        dictionaries: ``{"L12.mlp": sae, "L8.mlp": transcoder, "L16.resid": sae2}``: split those terms (and the
+            stream entering block 16) into the dictionaries' latents (``L12.mlp.F1234``, ``L12.mlp.bias``,
+            ``L12.mlp.skip``, ``L12.mlp.error``), the other terms at ``by``; sae-lens objects as they are, or
+            ``dla_recipes.features.Dictionary``. See ``dla_recipes.features``.
 
     Returns:
         One int position: an ``Attribution`` (``values [batch, n_components]``, ``labels``, ``constant [batch]``,
@@ -235,6 +241,10 @@ def attribute(
     model = as_standardized(model)
     plan = build_plan(model)
     plan.require(by)
+    if dictionaries is not None:
+        if by == "source":
+            raise InputError("dictionaries= with by='source': split heads by source, or terms by dictionary, per call")
+        plan = features.attach(model, plan, dictionaries, remote=bool(remote))
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
     n = len(prompts)

@@ -48,6 +48,7 @@ from ..math.rounding import Rounding, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
+from .kinds import features
 from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
@@ -103,6 +104,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``room``: the scores come back as the first columns of a ``[n, n_components + room]`` buffer (returned whole),
     whose last ``room`` columns ``Readout.pack`` fills: one buffer of the result's size is allocated, not three.
     """
+    plan = features.placed(plan, direction.device)  # the dictionaries on the device before the forward pass runs
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
         prepare_sources(model, plan, sources)
@@ -125,7 +127,14 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     if embed.dim() == 3:
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     previous = embed  # the stream before the block (its rounding bound, ``rounding``)
+    split_stream = plan.stream_dictionary is not None and stop is None
+    first = plan.stream_dictionary[0] if split_stream else 0
     for i, terms in enumerate(plan.terms_before(stop)):
+        if i < first:  # inside the stream a residual dictionary splits: its parts stand for these blocks'
+            continue
+        if split_stream and i == first:
+            stream_parts, previous = features.stream_scores(model, plan, sites, per_layer[i][0][0])
+            scores, carried = [stream_parts], [None]
         split = SourceSplit(sources, i, offsets, paths) if by == "source" else None
         for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, sites,
                                                         fit_errors, split, rounding, edits, i, patterns):

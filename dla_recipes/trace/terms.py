@@ -28,7 +28,7 @@ from ..math.linalg import dot
 from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
-from .kinds import conv, experts, linear, routed, sources
+from .kinds import conv, experts, features, linear, routed, sources
 from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
@@ -36,7 +36,9 @@ KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed
 
 def kind_module(planned: PlannedTerm, mode: str) -> ModuleType:
     """The ``trace.kinds`` module reading and scoring ``planned``'s parts at ``mode`` (``by="source"`` splits a
-    linear heads term through its pattern)."""
+    linear heads term through its pattern; a term carrying a dictionary splits by its latents)."""
+    if mode == "features":
+        return features
     return sources if mode == "sources" else KINDS[planned.kind]
 
 
@@ -152,7 +154,9 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
         comb = at(comb, sites) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
         reads.hyper = (at(post, sites), comb)
-    if mode is None:
+    if mode == "features":  # a dictionary's input (a transcoder's, before the write), then the write whole
+        reads.parts = features.read(layer, planned, mode, sites)
+    if mode is None or mode == "features":
         reads.value = at(read_site(layer, term.output, batch), sites, keep=True)  # read in float32 by its product
     else:
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
@@ -179,6 +183,10 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         u = outer.transpose(u)
     if mode is None:
         return (dot(reads.value, u) + rest).unsqueeze(-1), None
+    if mode == "features":  # the latents, decoder bias, skip, error, then the rest (the write's own bias)
+        parts = features.score(layer, planned, reads.parts, reads.value, u)
+        rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
+        return torch.cat([parts, rest.unsqueeze(-1)], -1), None
     written = None if reads.written is None else dot(reads.written, u) + rest  # [batch] what it really wrote
     noise = None if reads.written is None else roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1)
     if reads.post_norm is not None:

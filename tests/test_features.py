@@ -1,0 +1,329 @@
+"""Dictionary features (``dictionaries=``): every latent's part, the decoder bias, the skip path and the error, checked
+against references written here from the dictionary's own ``encode`` / ``decode`` (sae-lens's ``StandardSAE``,
+``JumpReLUSAE``, ``TopKSAE``, ``Transcoder``, ``SkipTranscoder``, ``JumpReLUTranscoder`` with random weights) on
+activations read with plain torch hooks on a plain transformers forward of each prompt alone (the attribution runs
+on the padded batch), through the final norm frozen at the stream it really read (an RMSNorm: its own output over
+its input, channel by channel; a LayerNorm: its formula at its input's variance). No package arithmetic is used.
+
+Families, one of each group: sequential (llama), parallel (gpt_neox, LayerNorm), post-norm (gemma2: a dictionary
+stands for what is written after the post-norm), MoE MLP (qwen2_moe), hybrid with an MLP (recurrent_gemma); float32,
+bfloat16, and bfloat16 under ``torch.autocast("cpu", bfloat16)`` (NDIF's bracket); ``L<i>.resid`` against the block's input.
+The random dictionaries are calibrated on the activations so that about a fifth of the latents fire (never none,
+never all). Bad input is refused with every problem in one ``InputError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+from bounds import gamma, unit_roundoff
+from conftest import PROMPTS
+
+import dla_recipes
+from dla_recipes.errors import InputError
+from dla_recipes.features import Dictionary, Encoder
+from dla_recipes.testing import tiny
+
+
+def lens():
+    """sae-lens (the Makefile's test extra installs it beside the stack, --no-deps), or the test is skipped."""
+    return pytest.importorskip("sae_lens")
+
+
+class Plain:
+    """A ReLU dictionary written here (no sae-lens, no package code): ``encode`` / ``decode`` by hand, given to
+    ``attribute`` as a plain-tensor ``Dictionary``."""
+
+    def __init__(self, d: int):
+        self.W_enc, self.b_enc = torch.zeros(d, D_SAE), torch.zeros(D_SAE)
+        self.W_dec, self.b_dec = torch.zeros(D_SAE, d), torch.zeros(d)
+        self.cfg = types.SimpleNamespace(apply_b_dec_to_input=False)
+
+    def encode(self, x):
+        return torch.clamp(x @ self.W_enc + self.b_enc, min=0)
+
+    def decode(self, a):
+        return a @ self.W_dec + self.b_dec
+
+    def dictionary(self) -> Dictionary:
+        return Dictionary(self.W_dec, self.b_dec, Encoder(self.W_enc, self.b_enc))
+
+TARGET, CONTRAST = "w20", "w21"
+D_SAE = 48
+# each family's HF modules: the term's write (its output) and a transcoder's input (the norm its sublayer reads)
+SITES = {
+    "llama": {"mlp": ("mlp", "post_attention_layernorm"), "attn": ("self_attn", None)},
+    "gpt_neox": {"mlp": ("mlp", "post_attention_layernorm"), "attn": ("attention", None)},
+    "gemma2": {"mlp": ("post_feedforward_layernorm", "pre_feedforward_layernorm"),
+               "attn": ("post_attention_layernorm", None)},
+    "qwen2_moe": {"mlp": ("mlp", "post_attention_layernorm")},
+    "recurrent_gemma": {"mlp": ("mlp_block", "channel_pre_norm")},
+}
+_MODELS: dict = {}
+
+
+def model_for(family: str, dtype=torch.float32):
+    if (family, dtype) not in _MODELS:
+        _MODELS[(family, dtype)] = (tiny.standardized(family) if dtype == torch.float32 else
+                                    dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(),
+                                                     device_map="cpu"))
+    return _MODELS[(family, dtype)]
+
+
+def first(value):
+    return value[0] if isinstance(value, tuple) else value
+
+
+def read_plain(model, prompt: str, reads: dict, autocast: bool = False) -> dict:
+    """A plain transformers forward of one prompt with torch hooks: each ``reads[name] = (module, "in"/"out")``
+    at the last position (float64), plus the final norm's input and output there."""
+    hf, got, handles = model._module, {}, []
+    modules = dict(reads, final=(model.ln_final._module, "both"))
+    for name, (module, side) in modules.items():
+        def hook(mod, args, output, name=name, side=side):
+            if side in ("in", "both"):
+                got[name + ("_in" if side == "both" else "")] = first(args)[0, -1].double()
+            if side in ("out", "both"):
+                got[name + ("_out" if side == "both" else "")] = first(output)[0, -1].double()
+        handles.append(module.register_forward_hook(hook))
+    ids = model.tokenizer(prompt, return_tensors="pt")
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), context:
+            hf(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"])
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def logit_direction(model, got: dict) -> torch.Tensor:
+    """``[d_model]`` float64: d(logit target - contrast) / d(final norm input), the norm's scale frozen at its input."""
+    W = model._module.get_output_embeddings().weight.detach().double()
+    tok = model.tokenizer
+    w = W[tok.convert_tokens_to_ids(TARGET)] - W[tok.convert_tokens_to_ids(CONTRAST)]
+    norm, x, y = model.ln_final._module, got["final_in"], got["final_out"]
+    if isinstance(norm, torch.nn.LayerNorm):
+        s = 1.0 / torch.sqrt(x.var(unbiased=False) + norm.eps)
+        gw = norm.weight.detach().double() * w
+        return s * (gw - gw.mean())
+    return w * (y / x)  # RMSNorm y = g * x * s: its own ratio, channel by channel
+
+
+def calibrated(sae, x: torch.Tensor, kind: str):
+    """Random weights with sparse, non-trivial activations on inputs ``x`` ``[m, d]``: ~20% of latents fire."""
+    g = torch.Generator().manual_seed(7)
+    d = x.shape[-1]
+    with torch.no_grad():
+        sae.W_enc.copy_(torch.randn(d, D_SAE, generator=g) / d ** 0.5)
+        sae.W_dec.copy_(torch.randn(D_SAE, sae.W_dec.shape[1], generator=g) / d ** 0.5)
+        sae.b_dec.copy_(0.05 * torch.randn(sae.b_dec.shape, generator=g))
+        centred = x.float() - (sae.b_dec if sae.cfg.apply_b_dec_to_input else 0)
+        pre = centred @ sae.W_enc
+        sae.b_enc.copy_(-pre.quantile(0.8, dim=0))
+        if hasattr(sae, "threshold"):
+            sae.threshold.copy_(0.2 * (pre + sae.b_enc).clamp(min=0).mean(0))
+        if hasattr(sae, "W_skip"):
+            sae.W_skip.copy_(0.1 * torch.randn(sae.W_skip.shape, generator=g) / d ** 0.5)
+    return sae
+
+
+def make(kind: str, d: int):
+    """An sae-lens dictionary of architecture ``kind`` (random weights: ``calibrated`` sets them)."""
+    if kind == "plain":
+        return Plain(d)
+    sae_lens, common = lens(), {"d_in": d, "d_sae": D_SAE}
+    if kind == "relu":
+        return sae_lens.StandardSAE(sae_lens.StandardSAEConfig(**common))
+    if kind == "jumprelu":
+        return sae_lens.JumpReLUSAE(sae_lens.JumpReLUSAEConfig(**common))
+    if kind == "topk":
+        return sae_lens.TopKSAE(sae_lens.TopKSAEConfig(**common, k=6))
+    config = dict(common, d_out=d, apply_b_dec_to_input=False)
+    if kind == "transcoder":
+        return sae_lens.Transcoder(sae_lens.TranscoderConfig(**config))
+    if kind == "skip":
+        return sae_lens.SkipTranscoder(sae_lens.SkipTranscoderConfig(**config))
+    return sae_lens.JumpReLUTranscoder(sae_lens.JumpReLUTranscoderConfig(**config))
+
+
+def reference(sae, x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> dict:
+    """The parts from the dictionary's own encode / decode (float32, no autocast) on its input ``x`` and the term's
+    write ``w``, along ``v``: ``F`` [d_sae], ``bias``, ``skip``, ``error``, and each one's error bound.
+
+    Error model (each compared value is two float32 computations of the same products, plus the direction): a latent
+    ``a_i`` is a ``d``-term dot (``gamma_d`` of ``sum |x W_enc[:, i]|`` each side, relu / jump 1-Lipschitz away from
+    the threshold); ``W_dec[i] . v`` a ``d``-term dot (``gamma_d``); the direction ``v`` the frozen norm's scale
+    and gain times the unembedding, a few roundings in the model's dtype each side (``8 u_model``) and the
+    package's d-term fit (``gamma_d``); the error is a difference of sums of all of them (their bounds added, and
+    the ``gamma_{d_sae + d}`` of summing the reconstruction and the write)."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        xf = x.float().unsqueeze(0)
+        a = sae.encode(xf)[0].double()
+        recon = sae.decode(sae.encode(xf))[0].double()
+        skip = (xf @ sae.W_skip.T)[0].double() if hasattr(sae, "W_skip") else None
+    W_dec, b_dec = sae.W_dec.detach().double(), sae.b_dec.detach().double()
+    W_enc = sae.W_enc.detach().double()
+    d = v.shape[0]
+    x_in = x - (b_dec if getattr(sae.cfg, "apply_b_dec_to_input", False) else 0)
+    enc_mag = (x_in.abs() @ W_enc.abs()) + sae.b_enc.detach().double().abs()  # [d_sae]
+    dec_v = W_dec @ v
+    dec_mag = W_dec.abs() @ v.abs()
+    u_dir = 8 * unit_roundoff(DTYPE[0]) + 2 * gamma(d)
+    F = a * dec_v
+    F_tol = 2 * gamma(d) * enc_mag * dec_v.abs() + a.abs() * (2 * gamma(d) + u_dir) * dec_mag
+    bias = float(b_dec @ v)
+    bias_tol = (2 * gamma(d) + u_dir) * float(b_dec.abs() @ v.abs())
+    out = {"F": F, "F_tol": F_tol, "bias": bias, "bias_tol": bias_tol}
+    total = w @ v - recon @ v
+    tol = F_tol.sum() + bias_tol + (gamma(D_SAE + d) + u_dir) * float((w.abs() @ v.abs()) + (recon.abs() @ v.abs()))
+    if skip is not None:
+        out["skip"] = float(skip @ v)
+        skip_mag = float(x.abs() @ sae.W_skip.detach().double().abs().T @ v.abs())
+        out["skip_tol"] = (2 * gamma(d) + u_dir) * skip_mag
+        total = total - out["skip"]
+        tol = tol + out["skip_tol"]
+    out["error"], out["error_tol"] = float(total), float(tol)
+    return out
+
+
+DTYPE = [torch.float32]  # the dtype the model under test computes in (the reference's direction rounds in it)
+
+
+def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False, by="head", prompts=PROMPTS):
+    """Attribute the padded batch with one dictionary at ``key``; compare each prompt's columns with the reference."""
+    DTYPE[0] = dtype
+    model = model_for(family, dtype)
+    layer, term = int(key.split(".")[0][1:]), key.split(".")[1]
+    block = model.layers[layer]._module
+    reads = {}
+    if term != "resid":
+        out_name, in_name = SITES[family][term]
+        reads = {"w": (getattr(block, out_name), "out")}
+        if kind in ("transcoder", "skip", "jumprelu_transcoder"):
+            reads["x"] = (getattr(block, in_name), "out")
+    got = []
+    for p in prompts:
+        if term == "resid":  # the block's input: a forward pre-hook
+            box = {}
+
+            def pre(mod, args, kwargs, box=box):
+                box["x"] = (args[0] if args else kwargs["hidden_states"])[0, -1].double()
+
+            h = block.register_forward_pre_hook(pre, with_kwargs=True)
+            try:
+                g = read_plain(model, p, {}, autocast)
+            finally:
+                h.remove()
+            g["x"] = g["w"] = box["x"]
+        else:
+            g = read_plain(model, p, reads, autocast)
+            g.setdefault("x", g["w"])
+        got.append(g)
+    d = got[0]["w"].shape[0]
+    sae = calibrated(make(kind, d), torch.stack([g["x"] for g in got]), kind)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        given = sae.dictionary() if isinstance(sae, Plain) else sae
+        attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by, dictionaries={key: given})
+    labels = list(attr.labels)
+    columns = [labels.index(f"{key}.F{i}") for i in range(D_SAE)]
+    active = 0
+    worst = 0.0
+    for b, g in enumerate(got):
+        v = logit_direction(model, g)
+        ref = reference(sae, g["x"], g["w"], v)
+        row = attr.values[b].double()
+        F = row[columns]
+        active += int((F != 0).sum())
+        assert torch.all((F - ref["F"]).abs() <= ref["F_tol"] + 1e-300), (family, key, kind, b, (F - ref["F"]).abs().max())
+        names = ["bias", "error"] + (["skip"] if "skip" in ref else [])
+        for name in names:
+            got_value = float(row[labels.index(f"{key}.{name}")])
+            assert abs(got_value - ref[name]) <= ref[f"{name}_tol"], (family, key, kind, b, name, got_value, ref[name])
+        worst = max(worst, float(((F - ref["F"]).abs() / (ref["F_tol"] + 1e-30)).max()))
+    assert 0 < active < D_SAE * len(prompts), f"the dictionary's activations are trivial: {active} active"
+    return attr, worst
+
+
+CASES = [("llama", "L1.mlp", "plain"), ("gemma2", "L1.attn", "plain"), ("llama", "L1.mlp", "relu"), ("llama", "L0.attn", "topk"), ("llama", "L2.mlp", "skip"),
+         ("gpt_neox", "L1.mlp", "jumprelu"), ("gpt_neox", "L1.attn", "relu"),
+         ("gemma2", "L1.mlp", "transcoder"), ("gemma2", "L0.attn", "jumprelu"),
+         ("qwen2_moe", "L1.mlp", "jumprelu_transcoder"), ("recurrent_gemma", "L1.mlp", "skip"),
+         ("llama", "L2.resid", "relu"), ("gemma2", "L1.resid", "topk")]
+
+
+@pytest.mark.parametrize("family,key,kind", CASES, ids=[f"{f}-{k}-{v}" for f, k, v in CASES])
+def test_each_latent_bias_skip_error_is_the_dictionarys_own(family, key, kind):
+    attr, _ = check(family, key, kind)
+    assert attr.error < 1e-4  # the self-check held the parts to the model's own logit too
+
+
+@pytest.mark.parametrize("family,key,kind,dtype,autocast", [
+    ("llama", "L1.mlp", "skip", torch.bfloat16, False), ("gemma2", "L1.mlp", "relu", torch.bfloat16, False),
+    ("llama", "L1.mlp", "jumprelu", torch.bfloat16, True), ("gpt_neox", "L2.resid", "relu", torch.bfloat16, True)])
+def test_low_precision_and_ndif_autocast(family, key, kind, dtype, autocast):
+    check(family, key, kind, dtype, autocast)
+
+
+def test_features_with_neurons_positions_top_frame_and_stats():
+    """The other terms keep by=; position="all" rows each the sum; top / to_frame name latents; stats work."""
+    model = model_for("llama")
+    sae = calibrated(make("relu", 64), torch.randn(16, 64), "relu")
+    dictionaries = {"L1.mlp": sae}
+    attr = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="neuron", dictionaries=dictionaries)
+    labels = list(attr.labels)
+    assert "L0.N5" in labels and "L1.N5" not in labels and "L1.mlp.F3" in labels and "L1.mlp.error" in labels
+    assert "L1.mlp.F3" in attr.to_frame().index
+    top = attr.top(5, kind="feature")
+    assert len(top) == 5 and all(c.startswith("L1.mlp.F") for c in top["component"])
+    every = dla_recipes.attribute(model, PROMPTS[0], "next", position="all", by="head", dictionaries=dictionaries)
+    assert every.values.shape[-1] == len(every.labels) and bool(torch.isfinite(every.values[every.mask]).all())
+    stats = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head", reduce="stats",
+                                  dictionaries=dictionaries)
+    assert "L1.mlp.F3" in list(stats.labels)
+
+
+def test_an_edit_is_attributed_through_the_dictionary():
+    """Clamping a latent through the write (adding ``c W_dec[i]`` to the SAE's term) moves that latent's part by
+    ``c`` times its decoder direction's part, as the SAE reads the edited write; the rest stay in the error."""
+    model = model_for("llama")
+    sae = calibrated(make("relu", 64), torch.randn(16, 64), "relu")
+    i = 3
+    plain = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, dictionaries={"L2.mlp": sae})
+    boost = sae.W_dec[i].detach().clone()
+
+    def edit(m, boost=boost):
+        m.layers[2].mlp.output = m.layers[2].mlp.output + 5.0 * boost
+
+    edited = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, dictionaries={"L2.mlp": sae},
+                                   intervene=edit)
+    assert edited.error < 1e-4 and not torch.allclose(edited.values, plain.values)
+
+
+def test_bad_dictionaries_are_all_named_at_once():
+    model = model_for("llama")
+    d = 64
+    bad = Dictionary(torch.randn(D_SAE, d + 1), torch.zeros(d), Encoder(torch.randn(d, D_SAE), torch.zeros(D_SAE)))
+    nan_w = torch.randn(D_SAE, d)
+    nan_w[5, 3] = float("nan")
+    nan = Dictionary(nan_w, torch.zeros(d), Encoder(torch.randn(d, D_SAE), torch.zeros(D_SAE)))
+    half = Dictionary(torch.randn(D_SAE, d, dtype=torch.float16), torch.zeros(d),
+                      Encoder(torch.randn(d, D_SAE), torch.zeros(D_SAE)))
+    with pytest.raises(InputError) as raised:
+        dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={
+            "L1.mlp": bad, "L9.mlp": nan, "L1.attn": nan, "L2.mlp": half, "L0.mixer": nan})
+    message = str(raised.value)
+    for needle in ("W_dec is (48, 65)", "'L9.mlp'", "latent(s) 5", "float16", "no 'mixer' term"):
+        assert needle in message, (needle, message)
+    sae_lens = lens()
+    config = sae_lens.StandardSAEConfig(d_in=d, d_sae=D_SAE)
+    config.metadata.hook_name = "blocks.2.hook_mlp_out"
+    with pytest.raises(InputError, match="names hook 'blocks.2.hook_mlp_out'"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.mlp": sae_lens.StandardSAE(config)})
+    good = calibrated(make("relu", d), torch.randn(16, d), "relu")
+    with pytest.raises(InputError, match="inside|write"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L0.mlp": good, "L2.resid": good})
