@@ -31,7 +31,8 @@ $(VENV)/.runtime: pyproject.toml constraints.txt
 # Everything the tests, notebooks, docs and benchmarks need on top. The NDIF server package installs without its
 # dependencies: it declares Python>=3.12 but its request-execution code runs on 3.11 (the loopback server's needs
 # are in the test extra). sae-lens (tests/test_features.py builds real SAEs and transcoders) pins transformer-lens < 4
-# and transformers < 6: it installs without its pins, with only the modules its import needs, none upgrading the stack. Debian's Chromium and its driver serve the browser check of the built site.
+# and transformers < 6: it installs without its pins, with only the modules its import needs, none upgrading the
+# stack. Debian's Chromium and its driver serve the browser check of the built site.
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q -c constraints.txt -e ".[models,test,docs]"
 	$(PIP) install -q --no-deps --ignore-requires-python ndif==0.1.2

@@ -100,11 +100,14 @@ def read_plain(model, prompt: str, reads: dict, autocast: bool = False) -> dict:
     return got
 
 
-def logit_direction(model, got: dict) -> torch.Tensor:
+def token(model, text: str) -> int:
+    return model.tokenizer(text, add_special_tokens=False)["input_ids"][0]
+
+
+def logit_direction(model, got: dict, target: str, contrast: str) -> torch.Tensor:
     """``[d_model]`` float64: d(logit target - contrast) / d(final norm input), the norm's scale frozen at its input."""
     W = model._module.get_output_embeddings().weight.detach().double()
-    tok = model.tokenizer
-    w = W[tok.convert_tokens_to_ids(TARGET)] - W[tok.convert_tokens_to_ids(CONTRAST)]
+    w = W[token(model, target)] - W[token(model, contrast)]
     norm, x, y = model.ln_final._module, got["final_in"], got["final_out"]
     if isinstance(norm, torch.nn.LayerNorm):
         s = 1.0 / torch.sqrt(x.var(unbiased=False) + norm.eps)
@@ -193,10 +196,12 @@ def reference(sae, x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> dict:
 DTYPE = [torch.float32]  # the dtype the model under test computes in (the reference's direction rounds in it)
 
 
-def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False, by="head", prompts=PROMPTS):
-    """Attribute the padded batch with one dictionary at ``key``; compare each prompt's columns with the reference."""
+def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False, by="head", prompts=PROMPTS,
+          model=None, target=TARGET, contrast=CONTRAST):
+    """Attribute the padded batch with one dictionary at ``key``; compare each prompt's columns with the reference
+    (``model``: a loaded model of ``family``'s module names, else the tiny one)."""
     DTYPE[0] = dtype
-    model = model_for(family, dtype)
+    model = model or model_for(family, dtype)
     layer, term = int(key.split(".")[0][1:]), key.split(".")[1]
     block = model.layers[layer]._module
     reads = {}
@@ -228,13 +233,13 @@ def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False,
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with context:
         given = sae.dictionary() if isinstance(sae, Plain) else sae
-        attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by=by, dictionaries={key: given})
+        attr = dla_recipes.attribute(model, prompts, target, contrast=contrast, by=by, dictionaries={key: given})
     labels = list(attr.labels)
     columns = [labels.index(f"{key}.F{i}") for i in range(D_SAE)]
     active = 0
     worst = 0.0
     for b, g in enumerate(got):
-        v = logit_direction(model, g)
+        v = logit_direction(model, g, target, contrast)
         ref = reference(sae, g["x"], g["w"], v)
         row = attr.values[b].double()
         F = row[columns]
@@ -267,6 +272,26 @@ def test_each_latent_bias_skip_error_is_the_dictionarys_own(family, key, kind):
     ("llama", "L1.mlp", "jumprelu", torch.bfloat16, True), ("gpt_neox", "L2.resid", "relu", torch.bfloat16, True)])
 def test_low_precision_and_ndif_autocast(family, key, kind, dtype, autocast):
     check(family, key, kind, dtype, autocast)
+
+
+REAL = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.slow)]
+CITY = ["The Eiffel Tower is in the city of", "The capital of France is", "Rome is in Italy and Paris is in"]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", REAL)
+def test_real_models(name):
+    """SmolLM2-135M (llama: an SAE on an MLP and a skip transcoder on another) and Gemma-3-270M (post-norms: a
+    JumpReLU transcoder on an MLP, an SAE on the stream), float32, against the same references."""
+    from dla_recipes import models
+
+    model = dla_recipes.load(models.REGISTRY[name](), dtype=torch.float32, device_map="cpu", dispatch=True)
+    family = "llama" if name.startswith("smollm2") else "gemma2"  # Gemma-3's block has Gemma-2's module names
+    first = ("L12.mlp", "relu") if family == "llama" else ("L6.mlp", "jumprelu_transcoder")
+    second = ("L20.mlp", "skip") if family == "llama" else ("L9.resid", "topk")
+    for key, kind in (first, second):
+        attr, _ = check(family, key, kind, model=model, prompts=CITY, target=" Paris", contrast=" Rome")
+        assert attr.error < 1e-4 * max(1.0, float(attr.logit.abs().max()))
 
 
 def test_features_with_neurons_positions_top_frame_and_stats():

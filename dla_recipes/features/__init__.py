@@ -21,10 +21,10 @@ does through the later blocks (which is in those blocks' parts). A term dictiona
 residual ones, and a residual one on a family that acts on the stream between blocks are refused.
 
 ``Dictionary`` / ``Encoder`` (``features.dictionary``) are the typed records; sae-lens objects are read as they are
-(``as_dictionary``); ``attach`` (``features.attach``) checks every dictionary against the model at once.
+(``as_dictionary``); ``attach`` (``features.bind``) checks every dictionary against the model at once.
 """
 
-from .attach import REQUEST_LIMIT, attach
+from .bind import REQUEST_LIMIT, attach
 from .dictionary import Dictionary, Encoder, as_dictionary
 
 __all__ = ["REQUEST_LIMIT", "Dictionary", "Encoder", "as_dictionary", "attach"]
