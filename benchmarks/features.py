@@ -5,8 +5,8 @@ position (``"next"``, ``position="all"``) of ``--batch`` prompts of ``--tokens``
 
 - ``neuron``: ``by="neuron"`` (every MLP neuron of every block a column: 30 x 1536), the baseline of every ratio;
 - ``sae_16k``: ``by="block"`` with one ``--width``-latent SAE on ``L12.mlp``;
-- ``four_16k``: ``by="block"`` with four: an SAE on ``L10.attn``, a skip transcoder on ``L12.mlp``, an SAE on
-  ``L20.mlp`` and one on ``L24.resid`` (the stream entering block 24).
+- ``four_16k``: ``by="block"`` with four: an SAE on ``L4.resid`` (the stream entering block 4), one on
+  ``L10.attn``, a skip transcoder on ``L12.mlp`` and an SAE on ``L20.mlp``.
 
 Time: the methods interleaved in this process (``common.time_methods``: the median of the paired ratios). Memory:
 peak RSS of one call above the loaded model (``common.measure_peak``), each method in a process of its own. The
@@ -48,8 +48,8 @@ def calls(batch: int, tokens: int, width: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (batch, tokens), generator=g)
     one = {"L12.mlp": dictionary(d, width, 1)}
-    four = {"L10.attn": dictionary(d, width, 2), "L12.mlp": dictionary(d, width, 3, skip=True),
-            "L20.mlp": dictionary(d, width, 4), "L24.resid": dictionary(d, width, 5)}
+    four = {"L4.resid": dictionary(d, width, 5), "L10.attn": dictionary(d, width, 2),
+            "L12.mlp": dictionary(d, width, 3, skip=True), "L20.mlp": dictionary(d, width, 4)}
 
     def run(**kw):
         return lambda: dla_recipes.attribute(model, ids, "next", position="all", **kw)

@@ -14,9 +14,8 @@ import torch
 from conftest import CONTRAST, PROMPTS, TARGET, single_threaded
 
 import dla_recipes
-from dla_recipes.features import bind
 from dla_recipes.errors import InputError
-from dla_recipes.features import Dictionary, Encoder
+from dla_recipes.features import Dictionary, Encoder, bind
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback import LoopbackServer
 from dla_recipes.transport import versions
