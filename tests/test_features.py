@@ -15,6 +15,7 @@ never all). Bad input is refused with every problem in one ``InputError``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import types
 
 import pytest
@@ -352,3 +353,38 @@ def test_bad_dictionaries_are_all_named_at_once():
     good = calibrated(make("relu", d), torch.randn(16, d), "relu")
     with pytest.raises(InputError, match="inside|write"):
         dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L0.mlp": good, "L2.resid": good})
+
+
+def test_a_dataset_reduced_to_stats_over_latents():
+    """``attribute_dataset(..., dictionaries=, reduce="stats")``: per-latent statistics over the rows, chunk by chunk
+    (the chunks merged exactly: the mean of each latent's column equals the mean of the rows' parts)."""
+    model = model_for("llama")
+    sae = Plain(64)
+    sae = calibrated(sae, torch.randn(16, 64), "plain").dictionary()
+    rows = [{"prompt": p, "target": TARGET, "contrast": CONTRAST} for p in PROMPTS * 2]
+    stats = dla_recipes.attribute_dataset(model, rows, target="target", contrast="contrast", by="head",
+                                          reduce="stats", batch_size=2, dictionaries={"L1.mlp": sae})
+    whole = dla_recipes.attribute(model, [r["prompt"] for r in rows], TARGET, contrast=CONTRAST, by="head",
+                                  dictionaries={"L1.mlp": sae})
+    summary = stats.summary()
+    column = list(whole.labels).index("L1.mlp.F3")
+    mean = float(summary.loc["L1.mlp.F3", "mean"]) if "L1.mlp.F3" in summary.index else None
+    assert mean is not None and abs(mean - float(whole.values[:, column].double().mean())) <= 1e-6 * (
+        1 + float(whole.values[:, column].abs().max()))
+
+
+def test_no_wait_for_the_device_with_dictionaries():
+    """The features split neither waits for the device nor uploads from the host while the forward runs (the
+    dictionaries are placed on the device before it starts), counted on the CPU as a GPU would see it
+    (``test_syncs``' counter), on a bfloat16 model with an SAE, a skip transcoder and a residual dictionary."""
+    from test_syncs import bf16_model, counted, waits
+
+    model = bf16_model("llama")
+    d = int(model.lm_head.weight.shape[-1])
+    skip = calibrated(make("skip", d), torch.randn(16, d), "skip") if importlib.util.find_spec("sae_lens") else None
+    dictionaries = {"L1.resid": Plain(d).dictionary(), "L2.attn": Plain(d).dictionary()}
+    if skip is not None:
+        dictionaries["L2.mlp"] = skip
+    counted(model, by="head", dictionaries=dictionaries)
+    _, traces = counted(model, by="head", dictionaries=dictionaries)
+    assert traces and all(waits(counts) == [] for counts in traces), [waits(c) for c in traces]

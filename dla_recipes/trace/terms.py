@@ -185,7 +185,8 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         return (dot(reads.value, u) + rest).unsqueeze(-1), None
     if mode == "features":  # the latents, decoder bias, skip, error, then the rest (the write's own bias)
         parts = features.score(layer, planned, reads.parts, reads.value, u)
-        rest = torch.as_tensor(rest, dtype=parts.dtype, device=parts.device).expand(parts.shape[0])
+        rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
+                else parts.new_full((), float(rest))).expand(parts.shape[0])  # a float: filled there, not copied
         return torch.cat([parts, rest.unsqueeze(-1)], -1), None
     written = None if reads.written is None else dot(reads.written, u) + rest  # [batch] what it really wrote
     noise = None if reads.written is None else roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1)

@@ -82,10 +82,9 @@ def placed(plan: Plan, device) -> Plan:
     """``plan`` with every dictionary on ``device`` in float32 (itself when there is none or they are there)."""
     moved = {}
 
-    def place(d):
+    def place(d):  # .to of a tensor already there in float32 is the tensor itself (no copy)
         if id(d) not in moved:
-            moved[id(d)] = d if d.W_dec.device == torch.device(device) and d.W_dec.dtype == torch.float32 else \
-                d.to(device=device, dtype=torch.float32)
+            moved[id(d)] = d.to(device=device, dtype=torch.float32)
         return moved[id(d)]
 
     if plan.stream_dictionary is None and not any(p.dictionary is not None for block in plan.layers for p in block):
