@@ -205,7 +205,7 @@ def meta_of(model, specs, call, reduce, versus=None) -> dict:
             "prompt": describe(specs["prompt"]), "target": describe(specs["target"]),
             "contrast": describe(specs["contrast"]),
             "intervene": name_of(edit), "labels": None} | ({} if "dictionaries" not in call else {"dictionaries": {
-                key: list(getattr(d, "W_dec").shape) for key, d in call["dictionaries"].items()}})
+                key: list(d.W_dec.shape) for key, d in call["dictionaries"].items()}})
 
 
 def name_of(edit) -> str | None:
