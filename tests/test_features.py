@@ -194,6 +194,7 @@ def reference(sae, x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> dict:
     return out
 
 
+ERRORS: dict = {}  # the largest |package - reference| per part kind so far (read by the report, not asserted)
 DTYPE = [torch.float32]  # the dtype the model under test computes in (the reference's direction rounds in it)
 
 
@@ -251,6 +252,9 @@ def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False,
             got_value = float(row[labels.index(f"{key}.{name}")])
             assert abs(got_value - ref[name]) <= ref[f"{name}_tol"], (family, key, kind, b, name, got_value, ref[name])
         worst = max(worst, float(((F - ref["F"]).abs() / (ref["F_tol"] + 1e-30)).max()))
+        for name in ["F", *names]:
+            gap = (F - ref["F"]).abs().max() if name == "F" else abs(float(row[labels.index(f"{key}.{name}")]) - ref[name])
+            ERRORS[name] = max(ERRORS.get(name, 0.0), float(gap))
     assert 0 < active < D_SAE * len(prompts), f"the dictionary's activations are trivial: {active} active"
     return attr, worst
 
