@@ -133,6 +133,10 @@ def attach(model, plan: Plan, dictionaries: dict, remote=False) -> Plan:
             problems.append(f"{key}: a transcoder reads what the sublayer reads through its norm; block {layer}'s "
                             f"{name} reads the stream without one ({plan.family.name})")
         terms[(layer, names.index(name))] = d
+    total = sum(d.nbytes() for d in [*terms.values(), *streams.values()])
+    if remote and len(terms) + len(streams) > 1 and total > REQUEST_LIMIT:
+        problems.append(f"together the dictionaries are {total:,} bytes, over the server's request limit of "
+                        f"{REQUEST_LIMIT:,} bytes: attribute them in separate calls")
     problems += _overlaps(plan, terms, streams)
     if problems:
         raise InputError("dictionaries: " + "; ".join(problems))

@@ -5,8 +5,8 @@ The text is the Lee corpus (300 Australian news articles, ~60k words) that gensi
 installed) into the model cache (``loading.fetch.cache_dir()``), sha256-checked. ``collect`` runs the model on its
 first ``tokens`` tokens in windows of ``window`` and keeps what block ``layer``'s MLP writes at every position
 ``[tokens, d_model]`` (a plain transformers forward with a torch hook, stopped after that block); ``train`` fits a
-ReLU SAE to them (Adam, an L1 penalty on the latents times their decoder norms, unit-norm decoder rows; a few
-thousand steps of 1-2 CPU cores, about a minute); ``cached_sae`` does both once and keeps the weights, the token
+ReLU SAE to them (Adam, an L1 penalty on the latents times their decoder norms, unit-norm decoder rows; 600 steps
+of 256 rows: with the collection, about two minutes of 1-2 CPU cores); ``cached_sae`` does both once and keeps the weights, the token
 windows and each token's top latents under ``cache_dir()/sae-<model>-L<layer>-<width>`` like the models (never in
 git). ``top_contexts`` lists a latent's most activating tokens with their context.
 
@@ -44,7 +44,7 @@ class _Stop(Exception):
     """Raised by the hook after the collected block: the rest of the forward pass is not needed."""
 
 
-def collect(model, layer: int, tokens: int = 16384, window: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def collect(model, layer: int, tokens: int = 10240, window: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [windows, window], acts [windows * window, d_model])``: what block ``layer``'s MLP writes at every
     position of the corpus's first ``tokens`` tokens (windows of ``window``; a plain transformers forward with a
     torch hook on the MLP, stopped there), float32."""
@@ -69,7 +69,7 @@ def collect(model, layer: int, tokens: int = 16384, window: int = 128) -> tuple[
     return ids, torch.cat(kept)
 
 
-def train(acts: torch.Tensor, width: int, steps: int = 3000, l1: float = 3e-3, batch: int = 512,
+def train(acts: torch.Tensor, width: int, steps: int = 600, l1: float = 3e-3, batch: int = 256,
           seed: int = 0) -> Dictionary:
     """A ReLU SAE ``[d_model -> width]`` fitted to ``acts`` ``[n, d_model]`` (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +79,7 @@ def train(acts: torch.Tensor, width: int, steps: int = 3000, l1: float = 3e-3, b
     W_enc = torch.nn.Parameter(W_dec.detach().t().clone())
     b_enc = torch.nn.Parameter(torch.zeros(width))
     b_dec = torch.nn.Parameter(acts.mean(0).clone())
-    optimiser = torch.optim.Adam([W_dec, W_enc, b_enc, b_dec], lr=1e-3)
+    optimiser = torch.optim.Adam([W_dec, W_enc, b_enc, b_dec], lr=2e-3)
     for _ in range(steps):
         x = acts[torch.randint(0, acts.shape[0], (batch,), generator=g)] / scale
         with torch.no_grad():
@@ -109,7 +109,7 @@ class Trained:
     l0: float
 
 
-def cached_sae(model, name: str, layer: int, width: int = 2048, tokens: int = 16384) -> Trained:
+def cached_sae(model, name: str, layer: int, width: int = 1024, tokens: int = 10240) -> Trained:
     """Train (once, then load from the cache) an SAE on block ``layer``'s MLP output of ``model`` (``name`` keys
     the cache: the model's short name)."""
 
