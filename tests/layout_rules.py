@@ -300,7 +300,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "result": GROUND + ("present", "selfcheck", "trace"),
     "face": GROUND + ("args", "families", "loading", "plan", "features", "math", "trace", "transport", "selfcheck", "present",
                       "result", "face"),
-    "testing": GROUND + ("face",),
+    "testing": GROUND + ("face", "features", "loading"),  # features, loading: the docs' SAE (testing.dictionaries)
 }
 FACE = ("api", "in_trace", "datasets", "scores", "__main__")
 
