@@ -44,7 +44,7 @@ class _Stop(Exception):
     """Raised by the hook after the collected block: the rest of the forward pass is not needed."""
 
 
-def collect(model, layer: int, tokens: int = 10240, window: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def collect(model, layer: int, tokens: int = 8192, window: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids [windows, window], acts [windows * window, d_model])``: what block ``layer``'s MLP writes at every
     position of the corpus's first ``tokens`` tokens (windows of ``window``; a plain transformers forward with a
     torch hook on the MLP, stopped there), float32."""
@@ -69,7 +69,7 @@ def collect(model, layer: int, tokens: int = 10240, window: int = 128) -> tuple[
     return ids, torch.cat(kept)
 
 
-def train(acts: torch.Tensor, width: int, steps: int = 600, l1: float = 3e-3, batch: int = 256,
+def train(acts: torch.Tensor, width: int, steps: int = 600, l1: float = 0.1, batch: int = 256,
           seed: int = 0) -> Dictionary:
     """A ReLU SAE ``[d_model -> width]`` fitted to ``acts`` ``[n, d_model]`` (see the module docstring)."""
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +109,7 @@ class Trained:
     l0: float
 
 
-def cached_sae(model, name: str, layer: int, width: int = 1024, tokens: int = 10240) -> Trained:
+def cached_sae(model, name: str, layer: int, width: int = 1024, tokens: int = 8192) -> Trained:
     """Train (once, then load from the cache) an SAE on block ``layer``'s MLP output of ``model`` (``name`` keys
     the cache: the model's short name)."""
 

@@ -1,5 +1,5 @@
 # Title: Features: SAE latents
-# Block 24's MLP split into the latents of an SAE trained here (1024 latents, 10k tokens of news text), plus its error.
+# Block 24's MLP split into the latents of an SAE trained here (1024 latents, 8k tokens of news text), plus its error.
 import dla_recipes
 from dla_recipes import models
 from dla_recipes.testing.dictionaries import cached_sae
