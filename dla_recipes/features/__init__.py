@@ -20,6 +20,13 @@ the later blocks stay components; they are the stream's *direct* path through th
 does through the later blocks (which is in those blocks' parts). A term dictionary before a residual one, two
 residual ones, and a residual one on a family that acts on the stream between blocks are refused.
 
+Every latent is a column, an inactive one exactly 0 (as every neuron is at ``by="neuron"``): the number of active
+latents varies from site to site, and one fixed set of columns keeps the labels, ``reduce="stats"``, ``position=
+"all"`` and the trace free of any read of a count on the host. Only ``[sites, d_sae]`` is built (``W_dec @ u`` once
+per call and term, never ``[sites, d_sae, d_model]``), and that is what returns per dictionary. Remotely the
+dictionary's weights travel inside the request, once per NDIF session, and a dictionary (or all of them) over
+``REQUEST_LIMIT`` bytes is refused before anything is sent.
+
 ``Dictionary`` / ``Encoder`` (``features.dictionary``) are the typed records; sae-lens objects are read as they are
 (``as_dictionary``); ``attach`` (``features.bind``) checks every dictionary against the model at once.
 """
