@@ -360,7 +360,12 @@ def test_bad_dictionaries_are_all_named_at_once():
     config.metadata.hook_name = "blocks.2.hook_mlp_out"
     with pytest.raises(InputError, match="names hook 'blocks.2.hook_mlp_out'"):
         dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.mlp": sae_lens.StandardSAE(config)})
+    z_config = sae_lens.StandardSAEConfig(d_in=d, d_sae=D_SAE, reshape_activations="hook_z")
+    with pytest.raises(InputError, match="hook_z"):
+        dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.attn": sae_lens.StandardSAE(z_config)})
     good = calibrated(make("relu", d), torch.randn(16, d), "relu")
+    by_hook = dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"blocks.1.hook_mlp_out": good})
+    assert "L1.mlp.F0" in list(by_hook.labels)  # a TransformerLens hook name is a key too
     with pytest.raises(InputError, match="inside|write"):
         dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L0.mlp": good, "L2.resid": good})
 
