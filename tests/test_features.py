@@ -321,6 +321,15 @@ def test_features_with_neurons_positions_top_frame_and_stats():
     labels = list(attr.labels)
     assert "L0.N5" in labels and "L1.N5" not in labels and "L1.mlp.F3" in labels and "L1.mlp.error" in labels
     assert "L1.mlp.F3" in attr.to_frame().index
+    blocks = dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST)
+    summed = attr.blocks()  # the latents, bias, error and rest summed back into L1.mlp: the block's own part. Model:
+    # the error is the write's dot (the same op on the same tensors as by="block") less the float32 sum of the
+    # others, and blocks() sums the d_sae + 3 columns again: two float32 sums, gamma_{d_sae + 4} of |columns| each
+    column = list(summed.labels).index("L1.mlp")
+    mine = [list(attr.labels).index(x) for x in attr.labels if x.startswith("L1.mlp")]
+    bound = 2 * gamma(D_SAE + 4) * attr.values[:, mine].double().abs().sum(-1)
+    assert list(summed.labels) == list(blocks.labels)
+    assert bool(((summed.values[:, column] - blocks.values[:, column]).double().abs() <= bound).all())
     top = attr.top(5, kind="feature")
     assert len(top) == 5 and all(c.startswith("L1.mlp.F") for c in top["component"])
     every = dla_recipes.attribute(model, PROMPTS[0], "next", position="all", by="head", dictionaries=dictionaries)
