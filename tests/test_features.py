@@ -6,7 +6,7 @@ on the padded batch), through the final norm frozen at the stream it really read
 its input, channel by channel; a LayerNorm: its formula at its input's variance). No package arithmetic is used.
 
 Families, one of each group: sequential (llama), parallel (gpt_neox, LayerNorm), post-norm (gemma2: a dictionary
-stands for what is written after the post-norm), MoE MLP (qwen2_moe), hybrid with an MLP (recurrent_gemma); float32,
+stands for what is written after the post-norm; olmo2: post-norms only, where a transcoder is refused), MoE MLP (qwen2_moe), hybrid with an MLP (recurrent_gemma); float32,
 bfloat16, and bfloat16 under ``torch.autocast("cpu", bfloat16)`` (NDIF's bracket); ``L<i>.resid`` against the block's input.
 The random dictionaries are calibrated on the activations so that about a fifth of the latents fire (never none,
 never all). Bad input is refused with every problem in one ``InputError``.
@@ -61,6 +61,7 @@ SITES = {
     "gemma2": {"mlp": ("post_feedforward_layernorm", "pre_feedforward_layernorm"),
                "attn": ("post_attention_layernorm", None)},
     "qwen2_moe": {"mlp": ("mlp", "post_attention_layernorm")},
+    "olmo2": {"mlp": ("post_feedforward_layernorm", None)},  # post-norms only: no norm in front of the MLP
     "recurrent_gemma": {"mlp": ("mlp_block", "channel_pre_norm")},
 }
 _MODELS: dict = {}
@@ -275,7 +276,7 @@ def check(family: str, key: str, kind: str, dtype=torch.float32, autocast=False,
 CASES = [("llama", "L1.mlp", "plain"), ("gemma2", "L1.attn", "plain"), ("llama", "L1.mlp", "relu"), ("llama", "L0.attn", "topk"), ("llama", "L2.mlp", "skip"),
          ("gpt_neox", "L1.mlp", "jumprelu"), ("gpt_neox", "L1.attn", "relu"),
          ("gemma2", "L1.mlp", "transcoder"), ("gemma2", "L0.attn", "jumprelu"),
-         ("qwen2_moe", "L1.mlp", "jumprelu_transcoder"), ("recurrent_gemma", "L1.mlp", "skip"),
+         ("qwen2_moe", "L1.mlp", "jumprelu_transcoder"), ("olmo2", "L1.mlp", "topk"), ("recurrent_gemma", "L1.mlp", "skip"),
          ("llama", "L2.resid", "relu"), ("gemma2", "L1.resid", "topk")]
 
 
@@ -372,6 +373,8 @@ def test_bad_dictionaries_are_all_named_at_once():
     z_config = sae_lens.StandardSAEConfig(d_in=d, d_sae=D_SAE, reshape_activations="hook_z")
     with pytest.raises(InputError, match="hook_z"):
         dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.attn": sae_lens.StandardSAE(z_config)})
+    with pytest.raises(InputError, match="reads the stream without one"):  # OLMo-2: no norm in front of its MLP
+        dla_recipes.attribute(model_for("olmo2"), PROMPTS, TARGET, dictionaries={"L1.mlp": make("transcoder", d)})
     good = calibrated(make("relu", d), torch.randn(16, d), "relu")
     by_hook = dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"blocks.1.hook_mlp_out": good})
     assert "L1.mlp.F0" in list(by_hook.labels)  # a TransformerLens hook name is a key too

@@ -14,7 +14,8 @@ so the parts still sum to the model's own logit and the self-check holds them. A
 (after a post-norm, on Gemma-2/3 and OLMo-2: what is added to the stream, as TransformerLens's ``hook_mlp_out``);
 a transcoder reads what the term's sublayer reads (its norm's output: ``ln2`` / ``pre_feedforward_layernorm``) and
 stands for what the term writes (after the post-norm where there is one: a transcoder trained on the MLP's own
-output, before its post-norm, leaves that norm's work in its error term). ``L16.resid`` splits the stream entering
+output, before its post-norm, leaves that norm's work in its error term). A transcoder on a sublayer that reads
+the stream through no norm (OLMo-2's MLP, whose only norm is after it) is refused. ``L16.resid`` splits the stream entering
 block 16: its parts replace the embedding and every term written before block 16 (whose sum that stream is), and
 the later blocks stay components; they are the stream's *direct* path through the frozen final norm, not what it
 does through the later blocks (which is in those blocks' parts). A term dictionary before a residual one, two
