@@ -23,7 +23,7 @@ from typing import NamedTuple
 _LABEL = re.compile(
     r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+)(?:<-(\S+))?)?|N(\d+)|"
     r"(\w+)(?:\.(edit|bias|skip|error)|\.F(\d+))?)$")
-DICTIONARY_PARTS = ("bias", "skip", "error")  # a dictionary's parts besides its latents (``dla_recipes.features``)
+DICTIONARY_PARTS = ("dropped", "bias", "skip", "error")  # a dictionary's parts besides its latents (``dla_recipes.features``)
 
 
 class Component(NamedTuple):
@@ -34,8 +34,9 @@ class Component(NamedTuple):
         term: the term's name (``"embed"``, ``"attn"``, ``"mlp"``, ``"experts"``, ...).
         part: None (the term whole, or a split term's rest: its biases), ``"head"``, ``"neuron"``, ``"expert"``,
             ``"shared"`` (a shared expert, whole or by neuron), ``"edit"`` (what a split term wrote beyond its
-            parts and bias in an edited forward pass), or a dictionary's ``"feature"`` (a latent), ``"bias"``,
-            ``"skip"``, ``"error"`` (``dla_recipes.features``).
+            parts and bias in an edited forward pass), or a dictionary's ``"feature"`` (a latent), ``"dropped"``
+            (the latents not among the ``keep`` largest at a site, summed), ``"bias"``, ``"skip"``, ``"error"``
+            (``dla_recipes.features``).
         index: the head, neuron or expert index (None for a rest or a whole shared expert).
         source: ``by="source"``: the source position (an index into the prompt's own tokens) of a split head.
         expert: an expert's neuron (``part="neuron"``): its expert index, or ``"shared"``.

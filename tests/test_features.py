@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -415,3 +416,41 @@ def test_no_wait_for_the_device_with_dictionaries():
     counted(model, by="head", dictionaries=dictionaries)
     _, traces = counted(model, by="head", dictionaries=dictionaries)
     assert traces and all(waits(counts) == [] for counts in traces), [waits(c) for c in traces]
+
+
+def test_only_the_largest_parts_leave_the_trace_and_dropped_sums_the_rest():
+    """The wire (``trace.sparse``): with ``keep`` at least every site's active count the kept parts are the dense
+    columns bit for bit; with ``keep`` below it each site keeps its ``keep`` largest |parts| exactly, every other
+    latent reads 0, ``L1.mlp.dropped`` is the sum of the others, and the columns still sum to the model's logit."""
+    model = model_for("llama")
+    d = int(model.lm_head.weight.shape[-1])
+    sae = calibrated(make("plain", d), torch.randn(16, d), "relu").dictionary()
+    call = {"contrast": CONTRAST, "by": "head"}
+
+    def run(keep):
+        return dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.mlp": replace(sae, keep=keep)}, **call)
+
+    every = run(D_SAE)  # every latent sent: the trace's own dense columns
+    labels = list(every.labels)
+    F, dropped = [j for j, x in enumerate(labels) if x.startswith("L1.mlp.F")], labels.index("L1.mlp.dropped")
+    parts = every.values[:, F]
+    active = (parts != 0).sum(-1)
+    assert bool((every.values[:, dropped] == 0).all()) and int(active.min()) > 1, active
+    tight = run(int(active.max()))  # the least keep holding every active latent: the same numbers, bit for bit
+    assert torch.equal(tight.values, every.values)
+    capped = run(1)
+    assert list(capped.labels) == labels
+    others = [j for j in range(len(labels)) if j not in F and j != dropped]
+    assert torch.equal(capped.values[:, others], every.values[:, others])
+    top = parts.abs().topk(1, dim=-1).indices
+    kept = torch.zeros_like(parts).scatter(-1, top, parts.gather(-1, top))
+    assert torch.equal(capped.values[:, F], kept)
+    rest = (parts - kept).double()
+    # the dropped column is a float32 sum of the D_SAE - 1 others (exact zeros where kept): gamma_{D_SAE} of |rest|
+    bound = gamma(D_SAE) * rest.abs().sum(-1)
+    assert bool(((capped.values[:, dropped].double() - rest.sum(-1)).abs() <= bound).all())
+    assert bool((capped.values[:, dropped] != 0).all())
+    assert capped.error < 1e-4  # the self-check held the columns' sum to the model's own logit
+    # and to the dense columns' sum: the same float32 numbers but the dropped column's sum (bound above), in float64
+    gap = (capped.values.double().sum(-1) - every.values.double().sum(-1)).abs()
+    assert bool((gap <= bound + gamma(len(labels)) * every.values.double().abs().sum(-1)).all())

@@ -65,6 +65,8 @@ def check_weights(key: str, d: Dictionary, d_model: int, dtype: torch.dtype, dev
             problems.append(f"{key}: a TopK encoder needs 0 < k <= d_sae={d_sae}, not {e.k!r}")
     elif not callable(d.encoder):
         problems.append(f"{key}: encoder is a {type(d.encoder).__name__}: give an Encoder or a callable")
+    if d.keep is not None and not (isinstance(d.keep, int) and not isinstance(d.keep, bool) and d.keep > 0):
+        problems.append(f"{key}: keep={d.keep!r}: give how many latents a site sends back, an int > 0 (or None)")
     latent_dims = {"W_dec": 0, "W_enc": 1, "b_enc": 0, "threshold": 0}
     for name, tensor in d.tensors().items():
         found = _finite(f"{key}: {name}", tensor, latent_dims.get(name))

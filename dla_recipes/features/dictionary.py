@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
+KEEP = 256  # latents a site sends back by default (the largest parts; ``Dictionary.keep`` sets it per dictionary)
 ARCHITECTURES = {  # sae-lens's cfg.architecture(): (activation, reads)
     "standard": ("relu", "output"), "jumprelu": ("jumprelu", "output"), "topk": ("topk", "output"),
     "transcoder": ("relu", "input"), "skip_transcoder": ("relu", "input"),
@@ -85,6 +86,8 @@ class Dictionary:
             term's sublayer reads, after its norm (a transcoder).
         hook: the hook point the dictionary's own config names (sae-lens's ``cfg.metadata.hook_name``:
             ``"blocks.12.hook_mlp_out"``), checked against the key it is given under (``site_of_hook``).
+        keep: how many latents' parts a site sends back (the largest by size; the others summed in
+            ``L12.mlp.dropped``); None: a TopK encoder's ``k``, else ``min(d_sae, KEEP)`` (``kept``).
     """
 
     W_dec: torch.Tensor
@@ -93,11 +96,20 @@ class Dictionary:
     W_skip: torch.Tensor | None = None
     reads: Literal["output", "input"] = "output"
     hook: str | None = None
+    keep: int | None = None
 
     @property
     def width(self) -> int:
         """``d_sae``: how many latents."""
         return int(self.W_dec.shape[0])
+
+    @property
+    def kept(self) -> int:
+        """How many latents' parts a site sends back: ``keep``, a TopK encoder's ``k``, or ``min(d_sae, KEEP)``."""
+        if self.keep is not None:
+            return min(int(self.keep), self.width)
+        k = self.encoder.k if isinstance(self.encoder, Encoder) and self.encoder.activation == "topk" else None
+        return min(int(k) if k else KEEP, self.width)
 
     def tensors(self) -> dict:
         """Every weight that travels with it, by name."""
@@ -113,7 +125,7 @@ class Dictionary:
         """A copy with every weight moved (``device=``, ``dtype=``)."""
         encoder = self.encoder.to(**kwargs) if isinstance(self.encoder, Encoder) else self.encoder
         return Dictionary(self.W_dec.to(**kwargs), self.b_dec.to(**kwargs), encoder,
-                          None if self.W_skip is None else self.W_skip.to(**kwargs), self.reads, self.hook)
+                          None if self.W_skip is None else self.W_skip.to(**kwargs), self.reads, self.hook, self.keep)
 
 
 def site_of_hook(name) -> str | None:

@@ -126,7 +126,8 @@ class PlannedTerm:
         mode, name = self.mode(by), self.term.name
         if mode == "features":  # its latents, the decoder bias, the skip path, the error, then its rest
             skip = [Run(i, name, "skip")] if self.dictionary.W_skip is not None else []
-            return [Run(i, name, "feature", range(self.dictionary.width)), Run(i, name, "bias"), *skip,
+            return [Run(i, name, "feature", range(self.dictionary.width)), Run(i, name, "dropped"),
+                    Run(i, name, "bias"), *skip,
                     Run(i, name, "error"), Run(i, name)]
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
@@ -177,7 +178,8 @@ class Plan:
         runs, first = [Run(None, "embed")], 0
         if self.stream_dictionary is not None and stop is None:
             first, dictionary = self.stream_dictionary
-            runs = [Run(first, "resid", "feature", range(dictionary.width)), Run(first, "resid", "bias"),
+            runs = [Run(first, "resid", "feature", range(dictionary.width)), Run(first, "resid", "dropped"),
+                    Run(first, "resid", "bias"),
                     Run(first, "resid", "error")]
         for i, terms in enumerate(self.terms_before(stop)):
             for k, planned in enumerate(terms if i >= first else ()):

@@ -47,6 +47,7 @@ from ..math.linalg import dot, exact
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
+from . import sparse
 from . import targets as linear_targets
 from .kinds import features
 from .kinds.paths import Paths
@@ -325,8 +326,13 @@ class LogitCall:
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
-        return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets, self.edits, self.rows)
+        readout = direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
+                                           self.sources, self.offsets, self.edits, self.rows)
+        return sparse.wired(readout, self.plan, self.by, self.sources, self.edits)  # only kept latents leave
+
+    def unpack(self, packed: torch.Tensor) -> Readout:
+        """The ``Readout`` this call's ``pack()`` sent (dictionaries' latents scattered back: ``sparse.dense``)."""
+        return sparse.dense(packed, self.plan, self.by, self.sources, self.edits)
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ what its sublayer reads (its norm's output, read first: it comes first in the fo
 encode(x)`` ``[n, d_sae]`` of the dictionary's input ``x`` (the write itself, or the sublayer's input) give
 
     parts = a * (W_dec @ u^T)^T        [n, d_sae]   (W_dec @ u^T: [d_sae, n], once per call and term)
+    dropped = 0                        [n]          (the wire's: ``trace.sparse``)
     bias  = b_dec @ u                  [n]
     skip  = x @ (u @ W_skip)           [n]          (a skip transcoder)
     error = write @ u - parts.sum - bias - skip     (the write as the model really made it: an edit included)
 
 in float32, so the columns sum to the term's whole part ``write @ u`` to float32 rounding. No ``[n, d_sae,
-d_model]`` is built. Every latent is a column (an inactive one is exactly 0), as every neuron is at ``by="neuron"``.
+d_model]`` is built. In the trace every latent is a column (an inactive one is exactly 0), as every neuron is at
+``by="neuron"``; only the ``keep`` largest parts a site leave it (``trace.sparse``: the wire).
 ``stream_scores`` does the same for the stream entering a block (no skip, no rest), and ``placed`` moves a plan's
 dictionaries to the model's device once, before the forward pass reads anything (no copy from the host in it).
 """
@@ -44,7 +46,8 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> FeatureReads:
 
 
 def split(dictionary, x: torch.Tensor, written: torch.Tensor, u: torch.Tensor, skip: bool) -> torch.Tensor:
-    """``[n, d_sae + 2 (+1)]``: the latents' parts, the decoder bias, (the skip path,) the error, along ``u``
+    """``[n, d_sae + 3 (+1)]``: the latents' parts, the dropped ones (0 here: ``trace.sparse`` fills it on the
+    wire), the decoder bias, (the skip path,) the error, along ``u``
     ``[n, d]``, of a dictionary reading ``x`` ``[n, d_in]`` for a write ``written`` ``[n, d]``."""
     with exact():  # float32 products under a caller's autocast (NDIF's) too
         x = x.float()
@@ -52,7 +55,7 @@ def split(dictionary, x: torch.Tensor, written: torch.Tensor, u: torch.Tensor, s
         pulled = dictionary.W_dec.float() @ u.t()  # [d_sae, n]: W_dec @ u once, never [n, d_sae, d]
         parts = acts * pulled.t()
         bias = dot(u, dictionary.b_dec.float())
-        columns = [parts, bias.unsqueeze(-1)]
+        columns = [parts, parts.new_zeros(parts.shape[0], 1), bias.unsqueeze(-1)]  # dropped: 0 until the wire
         rebuilt = parts.sum(-1) + bias
         if skip:
             through = (x * (u @ dictionary.W_skip.float())).sum(-1)  # (W_skip x) . u = x . (u W_skip)
@@ -63,7 +66,7 @@ def split(dictionary, x: torch.Tensor, written: torch.Tensor, u: torch.Tensor, s
 
 
 def score(layer, planned: PlannedTerm, reads: FeatureReads, value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``[n, d_sae + 2 (+1)]``: the term's latents' parts, decoder bias, skip and error along ``u`` on its write
+    """``[n, d_sae + 3 (+1)]``: the term's latents' parts, decoder bias, skip and error along ``u`` on its write
     ``value`` ``[n, d_model]`` (the term's rest is the caller's)."""
     d = planned.dictionary
     x = value if reads.inputs is None else reads.inputs
@@ -71,7 +74,7 @@ def score(layer, planned: PlannedTerm, reads: FeatureReads, value: torch.Tensor,
 
 
 def stream_scores(model, plan: Plan, sites: Sites, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scores [n, d_sae + 2], stream [n, d_model])``: the stream entering block ``plan.stream_dictionary[0]``
+    """``(scores [n, d_sae + 3], stream [n, d_model])``: the stream entering block ``plan.stream_dictionary[0]``
     split by its dictionary along ``v`` (the direction on that stream), and the stream read there (float32)."""
     layer, d = plan.stream_dictionary
     stream = at(layer_input(model, layer), sites)
