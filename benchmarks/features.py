@@ -10,7 +10,9 @@ position (``"next"``, ``position="all"``) of ``--batch`` prompts of ``--tokens``
 
 Time: the methods interleaved in this process (``common.time_methods``: the median of the paired ratios). Memory:
 peak RSS of one call above the loaded model (``common.measure_peak``), each method in a process of its own. The
-dictionaries are random (about a fifth of the latents fire). Prints one JSON object.
+dictionaries are random (about a fifth of the latents fire). Locally the readout is the trace's own (each site's
+``min(d_sae, 256)`` largest latent parts are packed the same way as remotely: ``trace.sparse``; its bytes back
+from a server: ``features_wire.py``). Prints one JSON object.
 """
 
 from __future__ import annotations
