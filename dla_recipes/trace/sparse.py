@@ -27,6 +27,8 @@ from .readout import Readout
 def spans(plan: Plan, by, sources=None, edits: bool = False) -> tuple:
     """``((start, d_sae, k), ...)``: each dictionary's latent columns in the dense values (its ``dropped`` column
     is ``start + d_sae``) and how many of them a site sends back."""
+    if plan.stream_dictionary is None and not any(p.dictionary is not None for block in plan.layers for p in block):
+        return ()  # no dictionary: the components are not built again
     found, start = [], 0
     for run in plan.components(by, None, sources, edits).runs:
         if run.part == "feature":
