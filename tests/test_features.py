@@ -455,3 +455,12 @@ def test_only_the_largest_parts_leave_the_trace_and_dropped_sums_the_rest():
     # and to the dense columns' sum: the same float32 numbers but the dropped column's sum (bound above), in float64
     gap = (capped.values.double().sum(-1) - every.values.double().sum(-1)).abs()
     assert bool((gap <= bound + gamma(len(labels)) * every.values.double().abs().sum(-1)).all())
+
+
+def test_a_bad_keep_is_refused():
+    """``Dictionary.keep`` must be an int > 0: a clear error naming it, before the forward pass."""
+    model = model_for("llama")
+    sae = Plain(int(model.lm_head.weight.shape[-1])).dictionary()
+    for keep in (0, 2.5):
+        with pytest.raises(InputError, match=f"keep={keep!r}: give how many latents a site sends back"):
+            dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L1.mlp": replace(sae, keep=keep)})
