@@ -30,10 +30,15 @@ $(VENV)/.runtime: pyproject.toml constraints.txt
 
 # Everything the tests, notebooks, docs and benchmarks need on top. The NDIF server package installs without its
 # dependencies: it declares Python>=3.12 but its request-execution code runs on 3.11 (the loopback server's needs
-# are in the test extra). Debian's Chromium and its driver serve the browser check of the built site.
+# are in the test extra). sae-lens (tests/test_features.py builds real SAEs and transcoders) pins transformer-lens < 4
+# and transformers < 6: it installs without its pins, with only the modules its import needs, none upgrading the
+# stack. Debian's Chromium and its driver serve the browser check of the built site.
 $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -q -c constraints.txt -e ".[models,test,docs]"
 	$(PIP) install -q --no-deps --ignore-requires-python ndif==0.1.2
+	$(PIP) install -q --no-deps sae-lens==6.54.12 einops==0.8.2 jaxtyping==0.3.11 transformer-lens==3.9.0 \
+	  better-abc==0.0.3 simple-parsing==0.1.9 docstring-parser==0.18.0 wandb==0.31.0 protobuf==7.36.2 \
+	  opentelemetry-api==1.45.3 opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
 	touch $@

@@ -12,11 +12,11 @@ server does not host, raises its ``RemoteError`` when nothing completed, and off
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import features
 from .args import Check, Granularity, check_call, check_check, check_int, check_position
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
@@ -26,12 +26,12 @@ from .present.attribution import Attribution
 from .present.stats import as_stats, check_reduce
 from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
-from .trace.recipe import DirectionCall, LogitCall, TopCall
+from .trace.calls import DirectionCall, LogitCall, TopCall
 from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.run import run as run_batches
-from .transport.sites import for_prompts
+from .transport.sites import check_grid, for_group, for_prompts
 from .transport.stats import pair_groups, stats_calls
 
 
@@ -103,33 +103,6 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     ) from ran.error
 
 
-def for_group(value, group: Sequence[int], n: int):
-    """``value``'s entries for the prompts of ``group`` when it has one per prompt (a list / tuple / array / tensor
-    of ``n``), else ``value`` itself (one for all: a token, a weighted set, ``"next"``, ``"mean"``)."""
-    if isinstance(value, (str, dict)) or value is None:
-        return value
-    if isinstance(value, (list, tuple)) and len(value) == n:
-        return [value[i] for i in group]
-    if getattr(value, "ndim", 0) >= 1 and len(value) == n:  # an array / tensor stays one: [group(, n_positions)]
-        return value[list(group)]
-    return value
-
-
-def check_grid(value, batches, role: str) -> None:
-    """A ``role`` given per prompt and position (a nested list, a 2-D tensor or array) has the whole call's
-    ``n_positions`` columns (each batch reads the columns of its own prompts: a batch of shorter prompts fewer)."""
-    if getattr(value, "ndim", 0) == 2:
-        widths = {int(value.shape[1])}
-    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
-        widths = {len(v) for v in value}
-    else:
-        return
-    width = max(b.n_columns for b in batches)
-    if widths != {width}:
-        raise InputError(f"{role} is a grid of {len(value)} x {sorted(widths)}: a {role} per prompt and position is "
-                         f"[batch, n_positions] = [{len(value)}, {width}] (the positions as position= lists them)")
-
-
 def groups_of(request: _Request) -> list[list[int]]:
     """Each batch's prompts, as the user numbers them (``_Request.order`` cut by batch)."""
     out, start = [], 0
@@ -156,6 +129,7 @@ def attribute(
     reduce=None,
     blocking: bool = True,
     check: Check = "logit",
+    dictionaries: dict | None = None,
 ):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -223,6 +197,10 @@ def attribute(
             what the block's components wrote, within the add's own rounding, so a write no component made (a
             torch hook, an edit outside the call) raises ``ExactnessError`` naming its block, in bfloat16 from
             below 1% of the stream's norm (``dla_recipes.math.adds``; about 5% more time by block).
+        dictionaries: ``{"L12.mlp": sae, "L8.mlp": transcoder, "L16.resid": sae2}``: split those terms (and the
+            stream entering block 16) into the dictionaries' latents (``L12.mlp.F1234``, ``L12.mlp.bias``,
+            ``L12.mlp.skip``, ``L12.mlp.error``), the other terms at ``by``; sae-lens objects as they are, or
+            ``dla_recipes.features.Dictionary``. See ``dla_recipes.features``.
 
     Returns:
         One int position: an ``Attribution`` (``values [batch, n_components]``, ``labels``, ``constant [batch]``,
@@ -242,6 +220,10 @@ def attribute(
     model = as_standardized(model)
     plan = build_plan(model)
     plan.require(by)
+    if dictionaries is not None:
+        if by == "source":
+            raise InputError("dictionaries= with by='source': split heads by source, or terms by dictionary, per call")
+        plan = features.attach(model, plan, dictionaries, remote=bool(remote))
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
     n = len(prompts)

@@ -21,7 +21,9 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 _LABEL = re.compile(
-    r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+)(?:<-(\S+))?)?|N(\d+)|(\w+)(\.edit)?)$")
+    r"^L(\d+)\.(?:(?:(E)(\d+)|(shared))(?:\.N(\d+))?|H(\d+)(?:\.S(\d+)(?:<-(\S+))?)?|N(\d+)|"
+    r"(\w+)(?:\.(edit|bias|skip|error)|\.F(\d+))?)$")
+DICTIONARY_PARTS = ("dropped", "bias", "skip", "error")  # a dictionary's parts besides its latents (``dla_recipes.features``)
 
 
 class Component(NamedTuple):
@@ -31,8 +33,10 @@ class Component(NamedTuple):
         layer: the block (None: the embedding).
         term: the term's name (``"embed"``, ``"attn"``, ``"mlp"``, ``"experts"``, ...).
         part: None (the term whole, or a split term's rest: its biases), ``"head"``, ``"neuron"``, ``"expert"``,
-            ``"shared"`` (a shared expert, whole or by neuron) or ``"edit"`` (what a split term wrote beyond its
-            parts and bias in an edited forward pass).
+            ``"shared"`` (a shared expert, whole or by neuron), ``"edit"`` (what a split term wrote beyond its
+            parts and bias in an edited forward pass), or a dictionary's ``"feature"`` (a latent), ``"dropped"``
+            (the latents not among the ``keep`` largest at a site, summed), ``"bias"``, ``"skip"``, ``"error"``
+            (``dla_recipes.features``).
         index: the head, neuron or expert index (None for a rest or a whole shared expert).
         source: ``by="source"``: the source position (an index into the prompt's own tokens) of a split head.
         expert: an expert's neuron (``part="neuron"``): its expert index, or ``"shared"``.
@@ -56,8 +60,10 @@ class Component(NamedTuple):
             return self.term
         if self.part is None:
             return f"L{self.layer}.{self.term}"
-        if self.part == "edit":
-            return f"L{self.layer}.{self.term}.edit"
+        if self.part == "edit" or self.part in DICTIONARY_PARTS:
+            return f"L{self.layer}.{self.term}.{self.part}"
+        if self.part == "feature":
+            return f"L{self.layer}.{self.term}.F{self.index}"
         if self.part == "head":
             return (f"L{self.layer}.H{self.index}" + ("" if self.source is None else f".S{self.source}")
                     + ("" if self.upstream is None else f"<-{self.upstream}"))
@@ -292,7 +298,7 @@ def parse_label(label: str) -> Component:
     match = _LABEL.match(label)
     if match is None:
         return Component(None, label)
-    layer, expert, e, shared, expert_neuron, head, source, upstream, neuron, term, edit = match.groups()
+    layer, expert, e, shared, expert_neuron, head, source, upstream, neuron, term, edit, feature = match.groups()
     layer = int(layer)
     if head is not None:
         return Component(layer, "attn", "head", int(head), None if source is None else int(source), upstream=upstream)
@@ -304,7 +310,9 @@ def parse_label(label: str) -> Component:
         return Component(layer, "experts", "shared")
     if expert:
         return Component(layer, "experts", "expert", int(e))
-    return Component(layer, term, "edit" if edit else None)
+    if feature is not None:
+        return Component(layer, term, "feature", int(feature))
+    return Component(layer, term, edit)
 
 
 def parse_labels(labels: Sequence[str]) -> tuple[Component, ...]:
@@ -319,7 +327,7 @@ def parse_labels(labels: Sequence[str]) -> tuple[Component, ...]:
         component = parsed[j]
         if component.part is None:
             owner = component
-        elif component.part == "edit":
+        elif component.part in ("edit", "feature", *DICTIONARY_PARTS):
             owner = Component(component.layer, component.term)
         elif component.part == "head":
             owner = None

@@ -123,6 +123,9 @@ def prefetch_models() -> None:
 
     models.default_model_path()
     models.gemma3_270m_path()
+    from dla_recipes.testing.dictionaries import lee_corpus
+
+    lee_corpus()  # the Features page's training text (the SAE itself is trained, silently, by the page)
     _PREFETCHED = True
 
 

@@ -294,12 +294,13 @@ STAGES: dict[str, tuple[str, ...]] = {
     "selfcheck": GROUND + ("math",),
     "loading": GROUND + ("args", "families"),
     "plan": GROUND + ("args", "families"),
+    "features": GROUND + ("plan",),  # dictionaries attached to a plan (dla_recipes.features)
     "trace": GROUND + ("args", "families", "plan", "math"),
     "transport": GROUND + ("args", "families", "plan", "trace"),
     "result": GROUND + ("present", "selfcheck", "trace"),
-    "face": GROUND + ("args", "families", "loading", "plan", "math", "trace", "transport", "selfcheck", "present",
+    "face": GROUND + ("args", "families", "loading", "plan", "features", "math", "trace", "transport", "selfcheck", "present",
                       "result", "face"),
-    "testing": GROUND + ("face",),
+    "testing": GROUND + ("face", "features", "loading"),  # features, loading: the docs' SAE (testing.dictionaries)
 }
 FACE = ("api", "in_trace", "datasets", "generation", "scores", "__main__")
 

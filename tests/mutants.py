@@ -88,7 +88,33 @@ def sign_into_rest(parts, rest):
     return -parts, rest + 2 * parts.sum(-1)
 
 
+def on_features(change: Callable):
+    """Wrap ``trace.kinds.features.split``: its columns ``[n, d_sae + 2 (+1)]`` (latents, bias, (skip,) error)
+    replaced by ``change(columns, d_sae)``."""
+
+    def wrap(original):
+        @functools.wraps(original)
+        def mutated(*args, **kwargs):
+            columns = original(*args, **kwargs)
+            return change(columns, bound(original, args, kwargs).arguments["dictionary"].width)
+        return mutated
+    return wrap
+
+
+def _rolled(columns, width):
+    out = columns.clone()
+    out[:, :width] = columns[:, :width].roll(1, -1)
+    return out
+
+
+def _error_dropped(columns, width):
+    out = columns.clone()
+    out[:, -1] = 0
+    return out
+
+
 LINEAR = "dla_recipes.trace.kinds.linear"
+FEATURES = "dla_recipes.trace.kinds.features:split"
 MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("neurons_rolled", "each neuron's part moved to the next neuron of its block (sums unchanged)",
            f"{LINEAR}:score", on_parts("neurons", lambda parts, rest: (parts.roll(1, -1), rest)), ("mode",)),
@@ -105,6 +131,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "one", f"{LINEAR}:read", one_position_earlier, ("sites",)),
     Mutant("norms_frozen_one_earlier", "the post-norms (and stream norms) frozen at the position before the "
            "attributed one", "dla_recipes.trace.terms:frozen_at", one_position_earlier, ("sites",)),
+    Mutant("features_permuted", "each dictionary latent's part moved to the next latent (sums unchanged)",
+           FEATURES, on_features(_rolled), ("dictionary",)),
+    Mutant("features_error_dropped", "a dictionary's error part left out (set to 0)", FEATURES,
+           on_features(_error_dropped), ("dictionary",)),
 )}
 
 # What every mutant's subprocess runs: the single-part tests on a family of each group, and the sum tests on a few
@@ -117,6 +147,7 @@ TARGETS: tuple[str, ...] = (
         "mixtral-expert")),
     *(f"{FAMILIES}[{case}]" for case in ("llama-head", "llama-neuron", "gemma2-head", "gemma2-neuron",
                                          "mixtral-neuron")),
+    "tests/test_features.py::test_each_latent_bias_skip_error_is_the_dictionarys_own[llama-L1.mlp-plain]",
 )
 
 

@@ -23,7 +23,7 @@ NOTEBOOKS = RUNNER.notebooks()
 def test_there_are_notebooks():
     names = {p.stem for p in NOTEBOOKS}
     assert {"quickstart", "how-it-works", "heads-and-neurons", "families", "remote", "attribute-direction",
-            "ablate-patch-steer", "every-position", "a-dataset", "why-the-head-attended"} <= names
+            "ablate-patch-steer", "every-position", "a-dataset", "why-the-head-attended", "features"} <= names
 
 
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -106,7 +106,7 @@ def test_top_of_one_kind(model, heads):
                                          r"by='head'"):
         blocks.top(kind="head")
     with pytest.raises(InputError, match=r"kind='heads': use one of 'block', 'head', 'source', 'neuron', 'expert', "
-                                         r"'shared', 'edit', or None for all"):
+                                         r"'shared', 'edit', 'feature', or None for all"):
         heads.top(kind="heads")
 
 

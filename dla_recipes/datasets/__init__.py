@@ -54,7 +54,7 @@ class Versus:
 def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast=None, by="block", position=-1,
                       reduce=None, out=None, batch_size: int = 32, remote=False, progress: bool | None = None,
                       intervene=None, tolerance: float | None = None, compare=None, generate: dict | None = None,
-                      **stats):
+                      dictionaries=None, **stats):
     """Attribute every row of ``data``: its ``prompt`` column's prompt, its target (minus its contrast), in chunks
     of ``batch_size`` rows, one ``attribute`` call a chunk (one forward pass; ``remote``: one request).
 
@@ -67,7 +67,7 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
             ``Same(" Paris")`` for a token string (a plain string names a column; ``Column("next")`` reads a
             column named like the keyword).
         contrast: as ``target`` (its keyword: ``"mean"``); default none.
-        by, position, remote, intervene, tolerance: as in ``attribute``.
+        by, position, remote, intervene, tolerance, dictionaries: as in ``attribute``.
         reduce: ``None`` (one row a prompt, or a site with several positions), ``"sum"`` (each prompt's positions
             summed, as ``attribute``), ``"stats"`` or a ``Stats(replicates=, seed=)`` (``attribute(...,
             reduce="stats")`` a chunk, merged exactly: an ``AttributionStats``; ``**stats``: ``Stats``' fields).
@@ -118,6 +118,8 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     model = as_standardized(model)
     call = {"by": by, "position": position, "remote": remote, "intervene": intervene, "tolerance": tolerance}
     verb = attribute if generate is None else for_rows(generate)
+    if dictionaries is not None:  # features (dla_recipes.features): named in out='s record by key and width
+        call["dictionaries"] = dictionaries
     if stats_record is None and out is None:  # everything in memory: one attribute call, batched as attribute does
         chunks = list(data_rows.chunks(src, batch_size, specs))
         if not chunks:
@@ -215,7 +217,8 @@ def meta_of(model, specs, call, reduce, versus=None) -> dict:
     return {"versus": versus, "model": identity(model), "by": call["by"], "position": repr(call["position"]), "reduce": reduce,
             "prompt": describe(specs["prompt"]), "target": describe(specs["target"]),
             "contrast": describe(specs["contrast"]),
-            "intervene": name_of(edit), "labels": None}
+            "intervene": name_of(edit), "labels": None} | ({} if "dictionaries" not in call else {"dictionaries": {
+                key: list(d.W_dec.shape) for key, d in call["dictionaries"].items()}})
 
 
 def name_of(edit) -> str | None:

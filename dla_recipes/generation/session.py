@@ -18,7 +18,7 @@ import torch
 
 from ..result import assemble, layout_of, rows_of
 from ..selfcheck import model_dtype
-from ..trace.recipe import LogitCall
+from ..trace.calls import LogitCall
 from ..transport.batches import groups, prepare
 from ..transport.remote import register_for_remote, retry_or_raise
 from ..transport.session import trace_options, unpack

@@ -75,6 +75,9 @@ class PlannedTerm:
         bare: the split modes (``mode(by)``) at which the term has no rest column: nothing but its parts writes
             there (no bias on its write, its projections or its norms; ``plan.build.bare_modes``), so the column
             would be exactly zero, and its parts' labels name its block (``L3.H5`` is ``L3.attn``'s).
+        dictionary: a ``features.Dictionary`` splitting this term into its latents at every granularity (mode
+            ``"features"``: ``L3.mlp.F7``, ``L3.mlp.bias``, ``L3.mlp.skip``, ``L3.mlp.error``, then its rest);
+            set per call by ``features.attach``, None in a built plan.
     """
 
     term: Term
@@ -92,11 +95,14 @@ class PlannedTerm:
     projection_multiplier: float = 1.0
     kind: Kind = "block"
     bare: frozenset = frozenset()
+    dictionary: object = None
 
     def mode(self, by: Granularity) -> str | None:
         """How this term splits at granularity ``by``: ``None`` (one component), ``"heads"``, ``"neurons"``,
         ``"experts"`` (one component per expert) or ``"expert_neurons"`` (one per neuron of every expert)."""
         term, split = self.term, self.term.split
+        if self.dictionary is not None:
+            return "features"
         if term.splits_heads and by == "head" and self.parts:
             return "heads"
         if isinstance(split, Heads) and by == "source" and self.parts:  # not grouped heads behind a router
@@ -118,6 +124,11 @@ class PlannedTerm:
         ``sources.upstream``, the labels of the components written before this term (each split source's parts
         ``L3.H5.S2<-L1.mlp``, then its rest ``L3.H5.S2``)."""
         mode, name = self.mode(by), self.term.name
+        if mode == "features":  # its latents, the decoder bias, the skip path, the error, then its rest
+            skip = [Run(i, name, "skip")] if self.dictionary.W_skip is not None else []
+            return [Run(i, name, "feature", range(self.dictionary.width)), Run(i, name, "dropped"),
+                    Run(i, name, "bias"), *skip,
+                    Run(i, name, "error"), Run(i, name)]
         if mode == "sources":
             split = sources.split_heads(i, self.parts) if sources is not None else (False,) * self.parts
             parts = []
@@ -154,6 +165,8 @@ class Plan:
     softcap: float | None
     num_heads: int
     head_input_scale: float = 1.0  # lm_head reads the final norm's output times this (``Family.head_input_over``)
+    stream_dictionary: tuple | None = None  # (layer, features.Dictionary): the stream entering that block split by
+    # its latents (``L16.resid.F3``, ``.bias``, ``.error``) in place of the embedding and every earlier term
 
     def components(self, by: Granularity = "block", stop: Stop | None = None,
                    sources: Sources | None = None, edits: bool = False) -> Components:
@@ -162,9 +175,14 @@ class Plan:
         ``by="source"`` splits the heads; ``edits``: the forward pass may be edited, so each split term has an
         ``.edit`` component. A ``Components`` sequence: each ``Component`` is made when read."""
         check_granularity(by)
-        runs = [Run(None, "embed")]
+        runs, first = [Run(None, "embed")], 0
+        if self.stream_dictionary is not None and stop is None:
+            first, dictionary = self.stream_dictionary
+            runs = [Run(first, "resid", "feature", range(dictionary.width)), Run(first, "resid", "dropped"),
+                    Run(first, "resid", "bias"),
+                    Run(first, "resid", "error")]
         for i, terms in enumerate(self.terms_before(stop)):
-            for k, planned in enumerate(terms):
+            for k, planned in enumerate(terms if i >= first else ()):
                 upstream = ()
                 if by == "source" and sources is not None and sources.upstream is not None:
                     upstream = tuple(self.components(sources.upstream, Stop(i, k)).labels())

@@ -29,6 +29,7 @@ KINDS = {
     "expert": lambda c: c.part == "expert",  # routed experts, whole
     "shared": lambda c: c.part == "shared",  # shared experts, whole
     "edit": lambda c: c.part == "edit",  # what a split term wrote beyond its parts and bias (an edited pass)
+    "feature": lambda c: c.part == "feature",  # a dictionary's latents (dictionaries=, dla_recipes.features)
 }
 
 
@@ -182,8 +183,8 @@ class Attribution:
         ``share`` is the value over the logit the parts sum to. ``by_abs=False`` ranks by signed value.
         ``prompt=None``: the mean over the prompts (``share`` over the mean logit). ``kind``: only components of
         one kind: ``"head"``, ``"neuron"``, ``"expert"``, ``"shared"``, ``"source"``, ``"block"`` (whole terms
-        and split terms' rests) or ``"edit"`` (``L3.mlp.edit``: an edited pass's writes after a projection);
-        default: all.
+        and split terms' rests), ``"edit"`` (``L3.mlp.edit``: an edited pass's writes after a projection) or
+        ``"feature"`` (a dictionary's latents, ``L3.mlp.F7``); default: all.
         """
         import pandas as pd
 
@@ -202,7 +203,7 @@ class Attribution:
             columns = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)
             if not len(columns):
                 raise InputError(f"this attribution (by={self.by!r}) has no {kind} components"
-                                 + ("" if kind in ("block", "shared", "edit") else f": attribute with by={kind!r}"))
+                                 + ("" if kind in ("block", "shared", "edit", "feature") else f": attribute with by={kind!r}"))
         chosen = row[columns]
         order = columns[largest(chosen.abs() if by_abs else chosen, k)]
         return pd.DataFrame(

@@ -9,6 +9,7 @@ Nothing here imports the transport, the loading or the result stages: remotely i
         h = dla_recipes.trace.mlp_output(model, 12)[:, -1]           # what block 12's MLP wrote, last position
 """
 
+from .calls import DirectionCall, LogitCall
 from .readers import (
     attention_head_outputs,
     attention_output,
@@ -19,7 +20,7 @@ from .readers import (
     term_output,
 )
 from .readout import Readout
-from .recipe import DirectionCall, LogitCall, decompose, direct_logit_attribution, direction_attribution
+from .recipe import decompose, direct_logit_attribution, direction_attribution
 
 __all__ = [
     "DirectionCall",

@@ -32,12 +32,10 @@ a site attributes is a ``targets.LinearTarget`` (a token, minus a contrast, a we
 
 Everything runs under ``torch.no_grad()`` in float32, whatever the model's dtype. In a remote trace, call these
 functions by name (``dla_recipes.trace.direct_logit_attribution``): the module object itself cannot travel.
-``LogitCall`` / ``DirectionCall`` hold one batch's arguments, so a trace reads ``call.run(model)``.
+``trace.calls`` holds one batch's arguments, so a trace reads ``call.run(model)``.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +48,7 @@ from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
 from .adds import activations_dtype, checked_blocks, final_read, low_precision
+from .kinds import features
 from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
@@ -107,6 +106,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     ``adds`` collects the per-add check (``math.adds``) of every block ``trace.adds.checked_blocks`` names: the
     stream entering and leaving it, each term's write as added, and the stream between two checked blocks.
     """
+    plan = features.placed(plan, direction.device)  # the dictionaries on the device before the forward pass runs
     embed_direction, per_layer = term_directions(model, plan, direction, stop)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
         prepare_sources(model, plan, sources)
@@ -130,7 +130,14 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
         carried = [torch.eye(embed.shape[1], device=embed.device).expand(embed.shape[0], -1, -1)]
     previous = embed  # the stream before the block (its rounding bound, ``rounding``)
     checked = checked_blocks(plan, stop) if adds is not None else frozenset()
+    split_stream = plan.stream_dictionary is not None and stop is None
+    first = plan.stream_dictionary[0] if split_stream else 0
     for i, terms in enumerate(plan.terms_before(stop)):
+        if i < first:  # inside the stream a residual dictionary splits: its parts stand for these blocks'
+            continue
+        if split_stream and i == first:
+            stream_parts, previous = features.stream_scores(model, plan, sites, per_layer[i][0][0])
+            scores, carried = [stream_parts], [None]
         split = SourceSplit(sources, i, offsets, paths) if by == "source" else None
         entering, writes = None, None  # the per-add check: the stream entering block i, its terms' writes
         if i in checked:
@@ -323,77 +330,3 @@ def direction_attribution(
         return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale,
                                 weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks, **adds.fields())
-
-
-@dataclass(frozen=True)
-class LogitCall:
-    """``direct_logit_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``."""
-
-    plan: Plan
-    positions: torch.Tensor
-    targets: object  # [n] long token ids, or a LinearTarget
-    contrasts: torch.Tensor | None
-    by: Granularity
-    sources: Sources | None = None
-    offsets: torch.Tensor | None = None
-    edits: bool = False
-    rows: torch.Tensor | None = None
-    check: Check = "logit"
-
-    def run(self, model) -> Readout:
-        """The attribution of this batch's logits, inside the running trace of ``model``."""
-        return direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                        self.sources, self.offsets, self.edits, self.rows, self.check)
-
-
-@dataclass(frozen=True)
-class DirectionCall:
-    """``direction_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``."""
-
-    plan: Plan
-    positions: torch.Tensor
-    direction: torch.Tensor
-    stop: Stop
-    reads: str
-    by: Granularity
-    rows: torch.Tensor | None = None
-    check: Check = "logit"
-
-    def run(self, model) -> Readout:
-        """The attribution of this batch's direction, inside the running trace of ``model``."""
-        return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
-                                     self.rows, self.check)
-
-
-@dataclass
-class TopTokens:
-    """``ids`` ``[n]``: the model's own top token at each site; ``pack()`` is what a trace sends back."""
-
-    ids: torch.Tensor
-
-    def pack(self) -> torch.Tensor:
-        """``[n, 1]`` float32 (ids below 2^24 are exact)."""
-        return self.ids.float().reshape(-1, 1)
-
-
-@dataclass(frozen=True)
-class TopCall:
-    """The model's own top token at each site (``target=None``): ``call.run(model)`` in a trace reads the output
-    logits there (``positions`` ``[n]`` into the padded sequence of length ``seq``, ``rows`` ``[n]`` each site's
-    prompt); ``TopCall.unpack`` of what comes back is ``[n]`` long token ids."""
-
-    positions: torch.Tensor
-    rows: torch.Tensor
-    seq: int
-
-    def run(self, model) -> TopTokens:
-        """Inside the running trace of ``model``: the argmax of the output logits at each site."""
-        with torch.no_grad():
-            logits = model.output.logits  # [batch, kept, vocab]: the last `kept` positions (logits_to_keep)
-            kept = self.positions - (self.seq - logits.shape[1])
-            return TopTokens(logits[self.rows.to(logits.device), kept.to(logits.device)].argmax(-1).cpu())
-
-    @staticmethod
-    def unpack(packed: torch.Tensor) -> torch.Tensor:
-        """``[n]`` long: the ids ``TopTokens.pack`` sent."""
-        return packed.reshape(-1).long()

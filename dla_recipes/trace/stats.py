@@ -124,7 +124,7 @@ def reduce_readout(readout: Readout, index: torch.Tensor, seed: int, replicates:
     acc = accumulate(columns, index, seed, replicates)
     error = (readout.values.sum(-1) + readout.constant - readout.logit).abs().max()
     sites = worst_sites(readout, keep, tolerance)
-    rows = Readout.unpack(readout.pack()[sites])
+    rows = Readout.unpack(Readout.pack(readout)[sites])  # dense (a LogitCall's own pack is the sparse wire)
     acc = {name: value.cpu() for name, value in acc.items()}
     return StatsReadout(error=error.double(), sites=sites, rows=rows,
                         n_sites=torch.tensor(float(readout.values.shape[0]), dtype=torch.float64), **acc)

@@ -29,7 +29,7 @@ from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .adds import written_at
-from .kinds import conv, experts, linear, routed, sources
+from .kinds import conv, experts, features, linear, routed, sources
 from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
@@ -37,7 +37,9 @@ KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed
 
 def kind_module(planned: PlannedTerm, mode: str) -> ModuleType:
     """The ``trace.kinds`` module reading and scoring ``planned``'s parts at ``mode`` (``by="source"`` splits a
-    linear heads term through its pattern)."""
+    linear heads term through its pattern; a term carrying a dictionary splits by its latents)."""
+    if mode == "features":
+        return features
     return sources if mode == "sources" else KINDS[planned.kind]
 
 
@@ -158,7 +160,9 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
         comb = at(comb, sites) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
         reads.hyper = (at(post, sites), comb)
-    if mode is None:
+    if mode == "features":  # a dictionary's input (a transcoder's, before the write), then the write whole
+        reads.parts = features.read(layer, planned, mode, sites)
+    if mode is None or mode == "features":
         reads.value = at(read_site(layer, term.output, batch), sites, keep=True)  # read in float32 by its product
     else:
         reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
@@ -188,6 +192,11 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
         u = outer.transpose(u)
     if mode is None:
         return (dot(reads.value, u) + rest).unsqueeze(-1), None
+    if mode == "features":  # the latents, decoder bias, skip, error, then the rest (the write's own bias)
+        parts = features.score(layer, planned, reads.parts, reads.value, u)
+        rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
+                else parts.new_full((), float(rest))).expand(parts.shape[0])  # a float: filled there, not copied
+        return torch.cat([parts, rest.unsqueeze(-1)], -1), None
     held = reads.written is not None and (edits or checks_split(planned, mode))  # its gap is a column, or held
     written = dot(reads.written, u) + rest if held else None  # [batch] what it really wrote
     noise = roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1) if held else None
@@ -236,7 +245,7 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
         reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits,
                                whole=writes is not None))
         if writes is not None:
-            writes.append(written_at(layer, planned, reads[-1].value if modes[k] is None else reads[-1].written))
+            writes.append(written_at(layer, planned, reads[-1].value if modes[k] in (None, "features") else reads[-1].written))
         if paths is not None:
             paths.after(layer, planned, modes[k], reads[-1])
         reads[-1].post_norm_io = None  # the post-norm's whole input and output: not kept past its term

@@ -143,7 +143,7 @@ def per_site(value, placed: Placed, n_prompts: int, role: str, columns_given: in
             value = value.item() if isinstance(value, torch.Tensor) else value
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, (list, tuple)) for v in value):  # [prompts, positions]
-            # a batch of a larger call may have fewer columns than the call (api.check_grid checks the call's)
+            # a batch of a larger call may have fewer columns than the call (check_grid checks the call's)
             if len(value) != n_prompts or any(len(v) < columns_given for v in value):
                 raise InputError(
                     f"{role} is a grid of {len(value)} x {[len(v) for v in value][:4]}: a {role} per prompt and position "
@@ -256,3 +256,30 @@ def token_problems(problems: dict[str, list[int]], n: int) -> str:
         return f"{which(indices, n)}: {message}"
     lines = [f"  {which(indices, n)}: {message}" for message, indices in problems.items()]
     return f"{len(problems)} bad tokens, each after the prompts it was given for; fix them all:\n" + "\n".join(lines)
+
+
+def for_group(value, group: Sequence[int], n: int):
+    """``value``'s entries for the prompts of ``group`` when it has one per prompt (a list / tuple / array / tensor
+    of ``n``), else ``value`` itself (one for all: a token, a weighted set, ``"next"``, ``"mean"``)."""
+    if isinstance(value, (str, dict)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)) and len(value) == n:
+        return [value[i] for i in group]
+    if getattr(value, "ndim", 0) >= 1 and len(value) == n:  # an array / tensor stays one: [group(, n_positions)]
+        return value[list(group)]
+    return value
+
+
+def check_grid(value, batches, role: str) -> None:
+    """A ``role`` given per prompt and position (a nested list, a 2-D tensor or array) has the whole call's
+    ``n_positions`` columns (each batch reads the columns of its own prompts: a batch of shorter prompts fewer)."""
+    if getattr(value, "ndim", 0) == 2:
+        widths = {int(value.shape[1])}
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (list, tuple)) for v in value):
+        widths = {len(v) for v in value}
+    else:
+        return
+    width = max(b.n_columns for b in batches)
+    if widths != {width}:
+        raise InputError(f"{role} is a grid of {len(value)} x {sorted(widths)}: a {role} per prompt and position is "
+                         f"[batch, n_positions] = [{len(value)}, {width}] (the positions as position= lists them)")
