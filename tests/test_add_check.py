@@ -347,3 +347,28 @@ def test_an_edit_through_intervene_is_a_components():
     with pytest.raises(dla_recipes.ExactnessError, match="block 1's residual adds.*edit a sublayer's output"):
         dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="block", intervene=edit_stream,
                               check="adds")
+
+
+def test_dictionaries_keep_the_add_check():
+    """Features (``dictionaries=``) with ``check="adds"``: a dictionary's term is read whole where it is added, so
+    its block's adds are still checked (a healthy call passes, a hidden 1% write on that block's MLP is named at
+    it); with a residual dictionary at block 2 the blocks after it are checked (the stream before it is the
+    dictionary's own input: what was written there is its latents' and error's, not a hidden write)."""
+    from dla_recipes.features import Dictionary, Encoder
+
+    model = model_in("llama", torch.bfloat16)
+    d, width = model.lm_head.weight.shape[-1], 32
+    g = torch.Generator().manual_seed(0)
+    sae = Dictionary(torch.randn(width, d, generator=g) * 0.1, torch.randn(d, generator=g) * 0.01,
+                     Encoder(torch.randn(d, width, generator=g), torch.randn(width, generator=g) * 0.1 - 0.5))
+    norms, v = stream_norms(model), directions(model, d, 3)["random"]
+    for dictionaries, layer in (({"L1.mlp": sae}, 1), ({"L2.resid": sae}, 2)):
+        call = {"contrast": CONTRAST, "by": "head", "check": "adds", "dictionaries": dictionaries}
+        healthy = dla_recipes.attribute(model, PROMPTS, TARGET, **call)
+        assert any(label.startswith(next(iter(dictionaries)) + ".F") for label in healthy.labels)
+        handle = sublayer_module(model, layer).register_forward_hook(adding(0.01 * norms[layer] * v))
+        try:
+            with pytest.raises(dla_recipes.ExactnessError, match=f"block {layer}'s"):
+                dla_recipes.attribute(model, PROMPTS, TARGET, **call)
+        finally:
+            handle.remove()
