@@ -238,10 +238,11 @@ def test_bad_input_is_named_at_once():
     chat = [{"role": "user", "content": "w5"}]
     with pytest.raises(InputError) as error:
         dla_recipes.attribute_generation(model, chat, 0, generate={"num_beams": 2, "colour": 3, "temperature": -1.0,
-                                                                          "do_sample": True, "max_new_tokens": 4})
+                                                                          "do_sample": True, "max_new_tokens": 4},
+                                         position=-1)
     text = str(error.value)
     for part in ("no chat template", "max_new_tokens=0", "num_beams", "'colour'", "temperature",
-                 "sets max_new_tokens itself"):
+                 "sets max_new_tokens itself", "position=-1: attribute_generation"):
         assert part in text, (part, text)
     with pytest.raises(InputError, match="transformers refuses"):
         dla_recipes.attribute_generation(model, PROMPTS, 2, generate={"do_sample": False, "temperature": 0.5})

@@ -44,7 +44,7 @@ KEYWORDS = ("runner-up", "mean")
 def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: dict | None = None,
                          seed: int | None = None, contrast=None, by="block", remote=False,
                          batch_size: int | None = None, progress: bool | None = None, tolerance: float | None = None,
-                         reduce=None):
+                         reduce=None, position=None):
     """Generate each prompt's answer and attribute every generated token's logit (minus ``contrast``) to the
     model's components, at the position that predicted it.
 
@@ -64,6 +64,7 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
         by, remote, batch_size, progress, tolerance: as in ``attribute`` (the generation runs in batches too).
         reduce: ``None``; ``"sum"`` (an answer's steps summed: one row a prompt); ``"stats"`` / ``Stats(...)``
             (statistics over every generated step of every prompt: an ``AttributionStats``, no answers kept).
+        position: not taken (refused with the fix named): each generated token is attributed at its own position.
 
     Returns:
         A ``GenerationAttribution`` (``reduce="sum"``: an ``Attribution``, ``"stats"``: an ``AttributionStats``).
@@ -79,6 +80,10 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
     config = getattr(getattr(model, "_module", None), "generation_config", None)
     settings = check_settings(config, max_new_tokens, generate, seed, problems)
     chosen = contrast_ids(model, contrast, len(ids), max_new_tokens, problems)
+    if position is not None:
+        problems.append(f"position={position!r}: attribute_generation attributes every generated token at the position "
+                        "that predicted it; drop position= (other positions of prompt + answer: attribute(model, "
+                        "prompt + answer ids, target, position=...))")
     raise_all(problems)
     if remote and by != "source" and as_stats(reduce) is None:  # one NDIF session: generate, then attribute
         generated, attr = generate_and_attribute(model, plan, ids, settings, chosen, contrast, by, remote, batch_size,
