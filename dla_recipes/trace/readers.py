@@ -110,11 +110,14 @@ def at(value: torch.Tensor, sites: Sites, keep: bool = False) -> torch.Tensor:
     return cast(value.flatten(0, 1).index_select(0, flat))
 
 
-def frozen_at(norm, sites: Sites) -> FrozenNorm:
-    """A norm envoy frozen at its real input at the sites (reads its input, then its output)."""
-    stream = at(read_site(norm, "input", sites.batch), sites)
+def frozen_at(norm, sites: Sites, io: tuple | None = None) -> FrozenNorm:
+    """A norm envoy frozen at its real input at the sites (reads its input, then its output; or takes them from
+    ``io``, its whole ``(input, output)`` ``[batch, pos, d]`` already read)."""
+    whole_in, whole_out = io if io is not None else (read_site(norm, "input", sites.batch), None)
+    stream = at(whole_in, sites)
     probe = probe_norm(norm, stream.shape[-1])
-    return probe.freeze(stream, at(read_site(norm, "output", sites.batch), sites))
+    output = whole_out if whole_out is not None else read_site(norm, "output", sites.batch)
+    return probe.freeze(stream, at(output, sites))
 
 
 def param(layer, path: str) -> torch.Tensor:

@@ -169,8 +169,7 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
         if term.write.post_norm is not None:  # frozen at the sites; its whole input and output kept for the sources
             norm = module_at(layer, term.write.post_norm)
             reads.post_norm_io = (read_site(norm, "input", batch), read_site(norm, "output", batch))
-            reads.post_norm = probe_norm(norm, reads.post_norm_io[0].shape[-1]).freeze(
-                at(reads.post_norm_io[0], sites), at(reads.post_norm_io[1], sites))
+            reads.post_norm = frozen_at(norm, sites, reads.post_norm_io)
         if edits or whole or (own and checks_split(planned, mode)):  # what it really wrote: an edit, its rounding
             reads.written = at(read_site(layer, term.output, batch), sites, keep=True)
     if term.stream.norm_after is not None:  # ... and a norm right after the add, after it
