@@ -12,7 +12,7 @@ server does not host, raises its ``RemoteError`` when nothing completed, and off
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from .trace.calls import DirectionCall, LogitCall, TopCall
 from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
+from .transport.reuse import Reuse
 from .transport.run import run as run_batches
 from .transport.sites import check_grid, for_group, for_prompts
 from .transport.stats import pair_groups, stats_calls
@@ -267,23 +268,32 @@ def attribute(
             heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, top, count, heads, upstream)
-    calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
-                            offsets(b) if by == "source" else None, intervene is not None, b.rows, check)
-                  for b in batches)
-    if stats is not None:
-        calls = stats_calls(calls, batches, run_groups, stats, tolerance, n)
+    def calls_for(reuse: Reuse | None) -> tuple:  # each batch's in-trace call (reuse: local, no edits)
+        calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
+                                offsets(b) if by == "source" else None, intervene is not None, b.rows, check,
+                                None if reuse is None else reuse.for_target(b.targets))
+                      for b in batches)
+        return calls if stats is None else stats_calls(calls, batches, run_groups, stats, tolerance, n)
+
+    reuse = Reuse(model, plan) if not remote and intervene is None else None
     layout = layout_of(batches, run_groups, model.tokenizer)
-    request = _Request(model, plan, batches, calls, tuple(i for g in run_groups for i in g), by, tolerance, remote,
-                       progress, intervene, sources=split, layout=layout, reduce=reduce)
+    request = _Request(model, plan, batches, calls_for(reuse), tuple(i for g in run_groups for i in g), by,
+                       tolerance, remote, progress, intervene, sources=split, layout=layout, reduce=reduce)
     if not blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
-        return RemoteJob(model, plan, batches, calls, remote=remote, intervene=intervene,
+        return RemoteJob(model, plan, batches, request.calls, remote=remote, intervene=intervene,
                          finish=lambda readouts: _complete(request, done=readouts))
     try:
         return _complete(request)
     except ExactnessError as error:
+        if reuse is not None and reuse.served():  # a record from before a weight edit no stamp sees: made anew
+            reuse.forget()
+            return _complete(replace(request, calls=calls_for(None)))
         if intervene is None:
             raise
         raise type(error)(f"{error}\n\n{EDIT_HINT}") from error  # NonFiniteError stays one
+    finally:
+        if reuse is not None:
+            reuse.settle()
 
 
 def top_grid(batch, ids: torch.Tensor) -> list[list[int]]:

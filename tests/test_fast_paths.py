@@ -3,9 +3,14 @@
 A fast path is work skipped or shared because it cannot change the answer: the prompts tokenized once and padded into each batch (``token_ids`` /
 ``prepare(ids=)``), a tokenizer's answers kept (``transport.sites.remembered``), the ``logits_to_keep`` signature
 check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``), each
-norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``). Each is
+norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``), what depends only on
+the weights and the targets kept from an earlier call (``transport.reuse.REUSE``: the head, every term's direction,
+the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
+(``trace.recipe.DEFER_SITES``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
-model's own logit (the head runs on the same positions either way). The pull-back of equal rows computed once
+model's own logit (the head runs on the same positions either way). The fast side calls twice, so that its second
+call takes the record the first one left whole; in float32 on every family, in bfloat16 (where a split term also
+reads its write whole, for the self-check) on one family of each group. The pull-back of equal rows computed once
 (``math.linalg.DEDUPE_ROWS``) is not one of them: it moves the last bits (a product of fewer rows may take another
 BLAS kernel), so it is off by default, and its test checks only that, switched on, it stays within float rounding.
 """
@@ -16,7 +21,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import fast_sweep, tiny_model
+from conftest import FAST_FAMILIES, fast_sweep, tiny_model
 from test_positions import batch_bound, batch_ratio
 
 import dla_recipes
@@ -24,7 +29,8 @@ from dla_recipes import api
 from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
-from dla_recipes.transport import batches, session
+from dla_recipes.trace import recipe
+from dla_recipes.transport import batches, reuse, session
 
 # Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
 # padding-unsafe ones group prompts of one length: the same single batch), one target at every site.
@@ -40,6 +46,8 @@ def slow_paths(monkeypatch) -> None:
     monkeypatch.setattr(batches, "remembered", lambda tokenizer, key, compute: compute())
     monkeypatch.setattr(session, "keeps_logits",
                         lambda model: "logits_to_keep" in inspect.signature(model._module.forward).parameters)
+    monkeypatch.setattr(reuse, "REUSE", False)  # every call makes what depends on the weights and targets anew
+    monkeypatch.setattr(recipe, "DEFER_SITES", 0)  # every block scored right after its reads
     build_plan.cache_clear()
 
 
@@ -47,17 +55,30 @@ def call(model, by: str):
     return dla_recipes.attribute(model, PROMPTS, "w20", position="all", by=by)
 
 
-@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
-def test_fast_paths_change_no_number(family, monkeypatch):
-    model = tiny_model(family)
-    fast = {by: call(model, by).sites for by in SPLITS}
+def same_with_and_without(model, family: str, monkeypatch, granularities=SPLITS) -> None:
+    """Each granularity's second call (the record of the first taken whole) against the slow paths' call."""
+    fast = {}
+    for by in granularities:
+        call(model, by)
+        fast[by] = call(model, by).sites
     slow_paths(monkeypatch)
-    for by in SPLITS:
+    for by in granularities:
         slow = call(model, by).sites
         for field in ("values", "constant", "logit", "output_logit"):
             a, b = getattr(fast[by], field), getattr(slow, field)
             assert torch.equal(a, b), (family, by, field, float((a - b).abs().max()))
         assert fast[by].labels == slow.labels
+
+
+@pytest.mark.parametrize("family", fast_sweep(tiny.FAMILIES))
+def test_fast_paths_change_no_number(family, monkeypatch):
+    same_with_and_without(tiny_model(family), family, monkeypatch, ("block", *SPLITS))
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_fast_paths_change_no_number_in_bfloat16(family, monkeypatch):
+    hf = tiny.build(family).to(torch.bfloat16)
+    same_with_and_without(dla_recipes.load(hf, tokenizer=tiny.tokenizer(), device_map="cpu"), family, monkeypatch)
 
 
 def test_the_dedupe_is_off_and_only_rounding_when_on(monkeypatch):

@@ -16,6 +16,7 @@ import dla_recipes
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback import free_port
+from dla_recipes.transport import reuse
 
 pytestmark = pytest.mark.server
 
@@ -50,8 +51,9 @@ def test_remote_equals_local(server, family, by):
     limit = attribution_bound(tiny_model(family), local, difference(tiny_model(family)))
     assert batch_ratio(remote.logit, local.logit, limit) <= 1
     assert remote.error <= 1e-4 * max(1.0, float(remote.logit.abs().max()))
-    # the remote model never loaded its weights: everything ran server side
+    # the remote model never loaded its weights: everything ran server side, and the client kept no record for it
     assert all(p.device.type == "meta" for p in remote_model._module.parameters())
+    assert reuse._STORES.get(remote_model._module) is None
 
 
 def test_remote_by_url(server):

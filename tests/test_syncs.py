@@ -162,26 +162,27 @@ def test_scores_never_wait_for_the_device_inside_the_forward(family, by):
 
 
 def test_the_counter_catches_a_planted_wait(monkeypatch):
-    """A ``float()`` of a device value and a ``.to(device)`` of a host index inside a block's reads are counted,
-    with the line that made them (so the test above can fail)."""
-    from dla_recipes.trace import terms
+    """A ``float()`` of a device value and a ``.to(device)`` of a host index right after a block's reads (before the
+    next block runs) are counted, with the line that made them (so the test above can fail)."""
+    from dla_recipes.trace import recipe
 
     model = bf16_model("llama")
     counted(model, by="head")
-    original = terms.read_term
+    original = recipe.layer_reads  # every block's reads, in forward order (decompose calls it by this name)
 
-    def planted(layer, planned, mode, sites, *args, **kwargs):
-        reads = original(layer, planned, mode, sites, *args, **kwargs)
-        value = reads.value if reads.value is not None else reads.parts.inputs  # what the term just read
-        float(value.sum())  # a read on the host, mid-forward
-        torch.arange(3).to(value.device)  # a host tensor copied to the device
-        return reads
+    def planted(*args, **kwargs):
+        block = original(*args, **kwargs)
+        for reads in block.reads:
+            value = reads.value if reads.value is not None else reads.parts.inputs  # what the term just read
+            float(value.sum())  # a read on the host, mid-forward
+            torch.arange(3).to(value.device)  # a host tensor copied to the device
+        return block
 
-    monkeypatch.setattr(terms, "read_term", planted)
+    monkeypatch.setattr(recipe, "layer_reads", planted)
     _, traces = counted(model, by="head")
     found = waits(traces[0])
     terms_read = 2 * len(model.layers)  # attention and MLP of every block, each read once
-    assert sum(call == "__float__" and where.startswith("dla_recipes/trace/terms.py") for _, where, call in found) \
+    assert sum(call == "__float__" and where.startswith("dla_recipes/trace/recipe.py") for _, where, call in found) \
         == terms_read, found
     assert sum(call == "to of host data" for _, _, call in found) == terms_read, found
 

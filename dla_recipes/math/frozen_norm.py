@@ -72,7 +72,10 @@ class NormProbe:
         return _center(x) if self.centers else x
 
     def to(self, device) -> NormProbe:
-        """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU)."""
+        """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU); the probe
+        itself when they are there already."""
+        if self.bias.device == torch.device(device) and self.gain.device == self.bias.device:
+            return self
         return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps,
                          dtype=self.dtype)
 
@@ -229,12 +232,14 @@ class FrozenNorm(torch.nn.Module):
             fitted = direction * scale.unsqueeze(-1)
             # a 0-d tensor on the stream's device: reading it as a float here would make the host wait for the
             # device in the middle of the forward pass (the recipe reads it once, with the result)
-            self.fit_error = ((fitted - y).abs().max() / output.float().abs().max().clamp_min(1e-30)
-                              if output.numel() else torch.zeros((), device=x.device))
+            fit_error = ((fitted - y).abs().max() / output.float().abs().max().clamp_min(1e-30)
+                         if output.numel() else torch.zeros((), device=x.device))
             if probe.dtype in (torch.bfloat16, torch.float16) and output.numel():
                 scale = _computed_scale(probe, x, scale, torch.finfo(probe.dtype).eps)
-        self.probe = probe
-        self.bias, self.gain, self.centers, self.scale = probe.bias, probe.gain, probe.centers, scale
+        # plain attributes (no parameter, buffer or submodule among them): set at once, past Module.__setattr__'s
+        # checks of each name (a frozen norm is made per call, in the forward pass)
+        self.__dict__.update(probe=probe, fit_error=fit_error, bias=probe.bias, gain=probe.gain, centers=probe.centers,
+                             scale=scale)
 
     def _scale_for(self, x: torch.Tensor) -> torch.Tensor:
         extra = x.dim() - 1 - self.scale.dim()

@@ -33,9 +33,16 @@ class exact:
         return self.stack.__exit__(*exc)
 
 
-def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[batch]``: ``(a * b).sum(-1)`` with ``b`` moved to ``a``'s device (``[batch, d]`` or broadcastable)."""
-    return (a * b.to(a.device)).sum(-1)
+def dot(a: torch.Tensor, b: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """``[batch]``: ``(a * b).sum(-1)`` with ``b`` moved to ``a``'s device (``[batch, d]`` or broadcastable);
+    ``keepdim``: ``[batch, 1]``."""
+    return (a * on(b, a.device)).sum(-1, keepdim=keepdim)
+
+
+def on(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device``: ``t`` itself when it is there already (no op issued: each op the recipe issues in the
+    forward pass is a kernel launch on a GPU, and costs microseconds on a CPU)."""
+    return t if t.device == device else t.to(device)
 
 
 CHUNK_ELEMENTS = 1 << 24  # float32 elements of a weight converted at once (64 MB): bounds memory in bf16 / fp16

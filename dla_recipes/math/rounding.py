@@ -71,7 +71,8 @@ def binade(x: torch.Tensor) -> torch.Tensor:
 
 
 def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
-                    extra_adds: int = 0, computed_in: torch.dtype = torch.float32) -> dict:
+                    extra_adds: int = 0, computed_in: torch.dtype = torch.float32,
+                    finite: torch.Tensor | None = None) -> dict:
     """The ``Readout`` fields the self-check bounds the model's own rounding with (``[batch]`` tensors on the
     device, or floats; ``Readout.gathered`` brings them to the host with the values).
 
@@ -79,7 +80,8 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
     the norm's output read along ``head``; ``rounding`` what the trace collected (``Rounding``; None in float32);
     ``size`` the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
     ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with ``stream``;
-    ``computed_in`` the dtype the model computed in (``unit_roundoff``).
+    ``computed_in`` the dtype the model computed in (``unit_roundoff``); ``finite`` ``[batch]`` float, 1 where
+    ``direction`` and ``head`` are finite, when known already (else read here).
     """
     def norm2(a, b):  # in float64: squares of large finite activations must not overflow
         return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
@@ -97,7 +99,8 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
     gap, noise, adds = summed(rounding.split_gaps), summed(rounding.split_noise), summed(rounding.stream_noise)
     if extra_adds:  # the adds after the last whole block, bounded with the stream entering the norm
         adds = adds + extra_adds * norm2(stream, direction) ** 2
-    finite = torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)
+    if finite is None:
+        finite = (torch.isfinite(direction).all(-1) & torch.isfinite(head.to(direction.device)).all(-1)).float()
     u = torch.finfo(computed_in).eps / 2
     return {
         "unit_roundoff": u,
@@ -108,7 +111,7 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
         "split_noise": noise.sqrt() * scale.abs() if isinstance(noise, torch.Tensor) else 0.0,
         **(dict(zip(("split_worst_gap", "split_worst_allowed", "split_worst_term"),
                     rounding.worst_term(u, scale, stream.device))) if rounding.split_gaps else {}),
-        "finite_head": finite.float(),
+        "finite_head": finite,
         "first_nonfinite": first_nonfinite(scores),
     }
 

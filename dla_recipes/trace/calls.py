@@ -14,6 +14,7 @@ import torch
 from ..args import Check, Granularity
 from ..plan.plan import Plan, Sources, Stop
 from . import sparse
+from .prepared import Prepared
 from .readout import Readout
 from .recipe import direct_logit_attribution, direction_attribution
 
@@ -32,12 +33,13 @@ class LogitCall:
     edits: bool = False
     rows: torch.Tensor | None = None
     check: Check = "logit"
+    prepared: Prepared | None = None  # local calls only: an earlier call's record (transport.reuse)
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
         readout = direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
                                            self.sources, self.offsets, self.edits, self.rows,
-                                           self.check)
+                                           self.check, self.prepared)
         return sparse.wired(readout, self.plan, self.by, self.sources, self.edits)  # only kept latents leave
 
     def unpack(self, packed: torch.Tensor) -> Readout:

@@ -98,16 +98,15 @@ def at(value: torch.Tensor, sites: Sites, keep: bool = False) -> torch.Tensor:
     it); ``keep``: in the value's own dtype (a product with a float32 tensor then reads it in float32 without a
     float32 copy of its own). A contiguous value is read as ``[batch * pos, ...]`` rows (``index_select``: the same
     copy as advanced indexing, bit for bit, in less than half its time on ``[batch, pos, d_mlp]``)."""
-    cast = (lambda t: t) if keep else (lambda t: t.float())
-    if not value.is_contiguous() or value.dim() < 2:
-        return cast(value[sites.rows.to(value.device), sites.positions.to(value.device)])
-    width = value.shape[1]
-    if sites.flat is not None and width == sites.seq and sites.flat.device == value.device:
-        flat = sites.flat
+    if value.dim() < 2 or not value.is_contiguous():
+        out = value[sites.rows.to(value.device), sites.positions.to(value.device)]
     else:
-        rows, positions = sites.rows.to(value.device), sites.positions.to(value.device)
-        flat = rows * width + torch.where(positions < 0, positions + width, positions)
-    return cast(value.flatten(0, 1).index_select(0, flat))
+        width, flat = value.shape[1], sites.flat
+        if flat is None or width != sites.seq or flat.device != value.device:
+            rows, positions = sites.rows.to(value.device), sites.positions.to(value.device)
+            flat = rows * width + torch.where(positions < 0, positions + width, positions)
+        out = value.flatten(0, 1).index_select(0, flat)
+    return out if keep else out.float()
 
 
 def frozen_at(norm, sites: Sites, io: tuple | None = None) -> FrozenNorm:

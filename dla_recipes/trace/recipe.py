@@ -15,13 +15,16 @@ the same for a direction read by any block's norm. The math, for every family:
    final collapse at the end. A norm applied to the stream itself (MiniMax, RWKV, OpenAI GPT's post-norm blocks) is
    frozen at its real input: its static part (gain, centering) is pulled back before the forward pass, and its
    scale, read in the trace, multiplies everything written before it.
-3. Each block's values are read in forward order, then reduced to a few numbers (``terms.layer_scores``): a block term
+3. Each block's values are read in forward order (``terms.layer_reads``), then reduced to a few numbers
+   (``terms.layer_scores``; in a call of at most ``DEFER_SITES`` sites every block's after the last block's reads,
+   else each block's right after its own): a block term
    to one (its value at the position, dotted with its direction); a split term to one per head, neuron or expert:
    the direction is pulled back through the term's multiplier, outer and post norms (frozen at their real inputs)
    and output projection onto the projection's input, then multiplied by the heads' outputs or the neurons'
    activations; a fused mixture of experts is recomputed from the model's own routing and weights, only for the
    experts that fired. No ``[batch, pos, d_model]`` activation is kept, and no ``[batch, d_mlp, d_model]`` tensor
-   is ever built.
+   is ever built. What depends only on the weights and the targets (the head, each term's direction, the pull-backs
+   through ``W_O`` / ``W_down``) is made once a call, or taken from an earlier call's record (``trace.prepared``).
 4. At the end the final norm's scale ``s`` is fitted at the real stream, every number is multiplied by it, and the
    model's own logit is read from ``lm_head``'s output (times ``logit_scale``), so the caller can check
    ``values.sum(-1) + constant == logit``.
@@ -41,40 +44,29 @@ import torch
 
 from ..args import Check, Granularity, check_granularity
 from ..math.adds import AddCheck
-from ..math.frozen_norm import FrozenNorm, NormProbe, identity_probe, probe_norm
-from ..math.linalg import dot, exact
+from ..math.frozen_norm import FrozenNorm, probe_norm
+from ..math.linalg import dot, exact, on
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
 from ..plan.plan import Plan, Sources, Stop
 from . import targets as linear_targets
 from .adds import activations_dtype, checked_blocks, final_read, low_precision
+from .head import Head, final_direction, scaled_by, softcap
 from .kinds import features
 from .kinds.paths import Paths
 from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
+from .prepared import Prepared
 from .readers import Sites, at, layer_input, layer_output, read_site
 from .readout import Readout
-from .targets import LinearTarget, as_target
-from .terms import layer_scores, term_directions
+from .targets import as_target
+from .terms import layer_reads, layer_scores, term_directions
 
-
-def final_direction(model, plan: Plan, target: LinearTarget):
-    """``(probe, direction [n, d_model], constant [n], rows [n, d_model])`` of the final head for each site's
-    target (``rows``: the target's combination of ``lm_head``'s rows, float32, as ``targets.head_rows``)."""
-    width = model.lm_head.weight.shape[-1]
-    probe: NormProbe = identity_probe(width) if plan.family.final_norm == "none" else probe_norm(model.ln_final, width)
-    weight = model.lm_head.weight
-    probe = probe.to(weight.device)  # a norm without parameters (OLMo, nanochat) is probed on the CPU
-    own = linear_targets.head_rows(target, weight).to(probe.gain.device)  # [n, d_model]
-    head_bias = linear_targets.head_bias(target, getattr(model.lm_head, "bias", None))
-    rows = own * plan.head_input_scale if plan.head_input_scale != 1 else own  # lm_head reads the norm's output times it (MiniCPM)
-    direction = plan.logit_scale * probe.center(probe.gain * rows)
-    constant = plan.logit_scale * (dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
-    return probe, direction, constant, own
-
-
-def softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return z if cap is None else cap * torch.tanh(z / cap)
+# Up to this many sites a block's arithmetic waits until the model's last block has run (its reads, [sites, width] a
+# term, are kept until then) and runs in one stretch: between two blocks each op starts on caches the model's block
+# has just refilled (measured, batch 1 on the CPU: 0.6-2% of the forward pass saved). The same ops in the same order,
+# so the same numbers. Above it each block is scored right after its reads (its reads dropped): memory stays bounded.
+DEFER_SITES = 64
 
 
 def scaled(scores: list, scale: torch.Tensor) -> list:
@@ -87,7 +79,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
               offsets: torch.Tensor | None = None,
               rounding: Rounding | None = None, edits: bool = False,
               patterns: list | None = None, rows: torch.Tensor | None = None, room: int = 0,
-              adds: AddCheck | None = None) -> tuple[torch.Tensor, list[float], Sites]:
+              adds: AddCheck | None = None, prepared: Prepared | None = None) -> tuple[torch.Tensor, list[float], Sites]:
     """``[n, n_components]``: every term written before ``stop`` at the sites, dotted with ``direction``
     ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
     A site is ``(rows[s], positions[s])``: a prompt of the batch and an index into the padded sequence (``rows``
@@ -105,9 +97,15 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     whose last ``room`` columns ``Readout.pack`` fills: one buffer of the result's size is allocated, not three.
     ``adds`` collects the per-add check (``math.adds``) of every block ``trace.adds.checked_blocks`` names: the
     stream entering and leaving it, each term's write as added, and the stream between two checked blocks.
+    ``prepared``: the call's memo of what depends only on the weights and ``direction`` (``trace.prepared``; None:
+    one for this call only).
     """
     plan = features.placed(plan, direction.device)  # the dictionaries on the device before the forward pass runs
-    embed_direction, per_layer = term_directions(model, plan, direction, stop)
+    prepared = prepared if prepared is not None else Prepared()
+    embed_direction, per_layer = prepared.get(("terms", stop), lambda: term_directions(model, plan, direction, stop))
+
+    def memo(key, make):  # a term's direction on its write and its pull-back: kept within the record's budget
+        return prepared.get(("term", stop, *key), make, keep=True)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
         prepare_sources(model, plan, sources)
     fit_errors: list = []  # each a 0-d tensor (or 0.0): read on the host once, with the result
@@ -132,6 +130,28 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     checked = checked_blocks(plan, stop) if adds is not None else frozenset()
     split_stream = plan.stream_dictionary is not None and stop is None
     first = plan.stream_dictionary[0] if split_stream else 0
+    pending: list = []  # blocks read but not scored yet: scored after the forward pass while the call is small
+
+    def score_pending():  # the arithmetic of every pending block, in forward order
+        nonlocal scores, carried
+        for i, terms, block, split in pending:
+            for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], block, split,
+                                                            rounding, edits, i, memo):
+                if before is not None:  # a norm on the stream scales everything written before it
+                    scores = scaled(scores, before)
+                if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
+                    post, comb = hyper
+                    if comb is not None:
+                        with exact():
+                            carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
+                    carried.append(post)
+                scores.append(on(score, scores[0].device))
+                if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
+                    scores = scaled(scores, after[0])
+                    scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
+        pending.clear()
+
+    defer = by != "source" and len(sites) <= DEFER_SITES
     for i, terms in enumerate(plan.terms_before(stop)):
         if i < first:  # inside the stream a residual dictionary splits: its parts stand for these blocks'
             continue
@@ -144,20 +164,10 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             entering, writes = at(stream if i == 0 else layer_input(model, i), sites, keep=True), []
             if adds.last is not None and adds.last[0] == i - 1:
                 adds.between(i - 1, adds.last[1], entering)
-        for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], by, sites,
-                                                        fit_errors, split, rounding, edits, i, patterns, writes):
-            if before is not None:  # a norm on the stream scales everything written before it
-                scores = scaled(scores, before)
-            if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
-                post, comb = hyper
-                if comb is not None:
-                    with exact():
-                        carried = [torch.einsum("bjk,b...j->b...k", comb, weights) for weights in carried]
-                carried.append(post)
-            scores.append(score.to(scores[0].device))
-            if after is not None:  # a norm right after the add scales it too; its bias joins the term's rest
-                scores = scaled(scores, after[0])
-                scores[-1][:, -1] += torch.as_tensor(after[1]).to(scores[-1].device)
+        block = layer_reads(model.layers[i], terms, by, sites, fit_errors, split, rounding, edits, i, patterns, writes)
+        pending.append((i, terms, block, split))
+        if not defer:
+            score_pending()
         if i in checked or (rounding is not None and per_layer[i] and (stop is None or i < stop[0])):
             stream_after = at(read_site(model.layers[i], "output"), sites, keep=True)
             if i in checked:
@@ -165,6 +175,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
             if rounding is not None and per_layer[i] and (stop is None or i < stop[0]):
                 rounding.stream_noise.append(len(terms) * stream_sumsq(previous, stream_after, per_layer[i][-1][0]))
                 previous = stream_after
+    score_pending()
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         read = at(head.input, sites)
@@ -180,15 +191,18 @@ def largest(errors: list, device) -> torch.Tensor:
     """``[]`` on ``device``: the largest of ``errors`` (floats or 0-d tensors; 0 when empty), not read on the host."""
     if not errors:
         return torch.zeros((), device=device)
+    if all(isinstance(e, torch.Tensor) and e.dim() == 0 and e.dtype == torch.float32 for e in errors):
+        return torch.stack([on(e, device) for e in errors]).max()  # each a float32 0-d tensor: stacked as it is
     return torch.stack([e.to(device).float().reshape(()) if isinstance(e, torch.Tensor)
                         else torch.full((), float(e), device=device) for e in errors]).max()
 
 
 def worst_pattern(patterns: list, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(error, layer)`` ``[]`` on ``device``: the block whose heads rebuilt from pattern and values are worst
-    (``patterns``: ``(error, layer)`` pairs, by="source"), or ``(0, -1)``."""
+    (``patterns``: ``(error, layer)`` pairs, by="source"), or the floats ``(0.0, -1.0)`` (``Readout.gathered``
+    writes a float with the row of numbers known on the host)."""
     if not patterns:
-        return torch.zeros((), device=device), torch.full((), -1.0, device=device)
+        return 0.0, -1.0
     errors = torch.stack([largest([e], device) for e, _ in patterns])
     layers = torch.tensor([float(layer) for _, layer in patterns]).to(device)
     worst = errors.argmax()
@@ -217,6 +231,7 @@ def direct_logit_attribution(
     edits: bool = False,
     rows: torch.Tensor | None = None,
     check: Check = "logit",
+    prepared: Prepared | None = None,
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
 
@@ -234,11 +249,15 @@ def direct_logit_attribution(
         rows: ``[n]`` long, each site's prompt (its row of the batch); None: one site per prompt, ``n = batch``.
         check: ``"adds"``: also read what the per-add check needs (``math.adds``; ``"logit"``: the whole logit's
             bound only).
+        prepared: what depends only on the weights and these targets, made by an earlier call with the same
+            targets and weights (``trace.prepared``, local calls: ``transport.reuse``); None: made in this call.
     """
     check_granularity(by)
     with torch.no_grad():
         target = as_target(targets, contrasts)
-        probe, direction, constant, head_rows = final_direction(model, plan, target)
+        prepared = (prepared if prepared is not None else Prepared()).begin()
+        final_head: Head = prepared.get("final", lambda: final_direction(model, plan, target))
+        probe, direction, constant, target = final_head.probe, final_head.direction, final_head.constant, final_head.target
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         adds = AddCheck() if check == "adds" else None
@@ -246,7 +265,7 @@ def direct_logit_attribution(
         patterns: list = []
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
-                                              edits, patterns, rows, room, adds)
+                                              edits, patterns, rows, room, adds, prepared)
         scores = buffer[:, :buffer.shape[1] - room]
         rows, positions = sites.rows, sites.positions  # on the device
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
@@ -263,17 +282,18 @@ def direct_logit_attribution(
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
         kept = positions - (stream.shape[1] - head_out.shape[1])
         head = linear_targets.pick(head_out, rows, kept, target)  # [n, K] at the target's tokens
-        own = linear_targets.pick(logits, rows, kept, target).to(head.device)
+        own = on(linear_targets.pick(logits, rows, kept, target), head.device)
         means = (linear_targets.vocab_mean(head_out, rows, kept), linear_targets.vocab_mean(logits, rows, kept),
                  linear_targets.vocab_mean(head_out, rows, kept, absolute=True)) if target.uses_mean else (None,) * 3
         out = linear_targets.read_logits(target, own, means[1])
-        head_error = linear_targets.head_error(target, head, own, lambda z: softcap(z * plan.logit_scale, plan.softcap))
-        logit = linear_targets.read_logits(target, head, means[0]) * plan.logit_scale
-        size = linear_targets.logit_size(target, head, means[2]) * abs(plan.logit_scale)
+        head_error = linear_targets.head_error(target, head, own, lambda z: softcap(scaled_by(z, plan.logit_scale),
+                                                                                    plan.softcap))
+        logit = scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
+        size = scaled_by(linear_targets.logit_size(target, head, means[2]), abs(plan.logit_scale))
         computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
-        checks = rounding_scales(x, direction, final.scale, y, head_rows * plan.logit_scale, rounding, size, scores,
-                                 computed_in=computed)  # reads the scores unscaled
-        scores.mul_(final.scale.to(scores.device).unsqueeze(-1))  # in place: no second [n, components]
+        checks = rounding_scales(x, direction, final.scale, y, final_head.logit_rows, rounding, size, scores,
+                                 computed_in=computed, finite=final_head.finite)  # reads the scores unscaled
+        scores.mul_(on(final.scale, scores.device).unsqueeze(-1))  # in place: no second [n, components]
         pattern_error, pattern_layer = worst_pattern(patterns, buffer.device)
         return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=final.scale,

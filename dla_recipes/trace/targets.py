@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..math.linalg import on
 from ..math.rounding import binade
 
 
@@ -42,6 +43,13 @@ class LinearTarget:
             ids = torch.cat([ids, contrasts.long().reshape(-1, 1)], 1)
             weights = torch.cat([weights, -torch.ones(weights.shape)], 1)
         return cls(ids, weights, torch.zeros(ids.shape[0]))
+
+    def on(self, device) -> LinearTarget:
+        """The same target with its tensors on ``device`` (read there without a copy a call), ``uses_mean`` read on
+        the host first (a read of a device tensor on the host would wait for the device)."""
+        moved = LinearTarget(self.ids.to(device), self.weights.to(device), self.mean.to(device))
+        moved.__dict__["uses_mean_"] = self.uses_mean
+        return moved
 
     @property
     def uses_mean(self) -> bool:
@@ -86,7 +94,8 @@ def pick(value: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, targe
     """``[n, K]`` float32: ``value [batch, pos, vocab]`` at each site's row and position and its target's tokens
     (no ``[n, vocab]`` copy is made)."""
     device = value.device
-    return value[rows.to(device)[:, None], positions.to(device)[:, None], target.ids.to(device)].float()
+    picked = value[on(rows, device)[:, None], on(positions, device)[:, None], on(target.ids, device)]
+    return picked if picked.dtype == torch.float32 else picked.float()
 
 
 def vocab_mean(value: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, absolute: bool = False):
@@ -101,7 +110,7 @@ def vocab_mean(value: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
 def read_logits(target: LinearTarget, picked: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]``: the target's combination of its tokens' logits ``picked [n, K]`` and the vocabulary's mean logit
     ``mean [n]`` (needed only when the target uses it)."""
-    out = (picked * target.weights.to(picked.device)).sum(-1)
+    out = (picked * on(target.weights, picked.device)).sum(-1)
     if target.uses_mean:
         out = out - target.mean.to(out.device) * mean.to(out.device)
     return out
@@ -110,15 +119,15 @@ def read_logits(target: LinearTarget, picked: torch.Tensor, mean: torch.Tensor |
 def head_error(target: LinearTarget, head: torch.Tensor, logits: torch.Tensor, capped) -> torch.Tensor:
     """``[]``: the largest ``|capped(head) - logits|`` at the target's tokens (``[n, K]`` each: ``lm_head``'s
     output and the model's output logits there), ``capped`` the family's final head (logit scale, soft-cap)."""
-    gap = (capped(head) - logits.to(head.device)).abs()
-    return (gap * (target.weights.to(gap.device) != 0)).max()
+    gap = (capped(head) - on(logits, head.device)).abs()
+    return (gap * (on(target.weights, gap.device) != 0)).max()
 
 
 def logit_size(target: LinearTarget, head: torch.Tensor, abs_mean: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]``: ``sum_k |w_k| b(z[t_k]) + m * mean_v |z[v]|``: each logit is rounded at its own size (``binade``), so
     a combination is rounded at the sum of its logits' sizes, not at its own (``head``: ``[n, K]`` at the
     target's tokens; ``abs_mean`` ``[n]`` the mean ``|z|``, needed only when the target uses the mean)."""
-    size = (binade(head) * target.weights.to(head.device).abs()).sum(-1)
+    size = (binade(head) * on(target.weights, head.device).abs()).sum(-1)
     if target.uses_mean:
         size = size + target.mean.to(size.device).abs() * abs_mean.to(size.device)
     return size

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from ..args import Granularity
 from ..math.frozen_norm import FrozenNorm, probe_norm
-from ..math.linalg import dot
+from ..math.linalg import dot, on
 from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
@@ -179,18 +180,26 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
 
 def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, v: torch.Tensor,
                outer: FrozenNorm | None, outer_bias: bool, split: sources.SourceSplit | None = None,
-               edits: bool = False):
+               edits: bool = False, memo=None):
     """``(scores [batch, parts + 1], rounding)``: the term's parts (heads, neurons, experts, head sources; none at
     block level), then its rest, along ``v`` on the stream (with ``edits``, ``[batch, parts + 2]``: the parts, the
     term's gap, its rest); ``rounding`` is a checked split term's ``(gap, squared noise)`` ``[batch]`` in low
-    precision, else None. ``split``: for ``mode="sources"``, the block's ``SourceSplit``."""
-    u, rest = write_direction(layer, planned, v)
+    precision, else None. ``split``: for ``mode="sources"``, the block's ``SourceSplit``.
+
+    ``memo(name, make)``: the call's ``Prepared`` for this term (``trace.prepared``): what depends only on the
+    weights and ``v`` (the direction on the write; the kind's ``static`` pull-back where nothing input-dependent,
+    an outer norm or a post-norm, stands between the projection and the stream) is made once and kept."""
+    memo = memo or (lambda name, make: make())
+    u, rest = memo("write", lambda: write_direction(layer, planned, v))
     if outer is not None:
         if outer_bias:
             rest = rest + dot(u, outer.bias)
         u = outer.transpose(u)
-    if mode is None:
-        return (dot(reads.value, u) + rest).unsqueeze(-1), None
+    if mode is None:  # [batch, 1]; a rest of 0.0 (no bias) is not added
+        score = dot(reads.value, u, keepdim=True)
+        if not isinstance(rest, torch.Tensor):
+            return (score if rest == 0.0 else score + rest), None
+        return score + on(rest, score.device).reshape(-1, 1), None
     if mode == "features":  # the latents, decoder bias, skip, error, then the rest (the write's own bias)
         parts = features.score(layer, planned, reads.parts, reads.value, u)
         rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
@@ -199,15 +208,37 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     held = reads.written is not None and (edits or checks_split(planned, mode))  # its gap is a column, or held
     written = dot(reads.written, u) + rest if held else None  # [batch] what it really wrote
     noise = roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1) if held else None
+    kind = kind_module(planned, mode)
+    static = getattr(kind, "static", None)  # the kind's pull-back, made once where it depends on u alone
+    if static is not None and outer is None and reads.post_norm is None:
+        pulled = memo(mode, lambda: static(layer, planned, mode, projected(layer, planned, u), rest))
+        if pulled is not None:
+            parts, rest, _ = kind.score(layer, planned, mode, reads.parts, u, rest, split, pulled)
+            return finished(parts, rest, written, noise, edits)
     if reads.post_norm is not None:
         rest = rest + dot(u, reads.post_norm.bias)
         u = reads.post_norm.transpose(u)
+    parts, rest, _ = kind.score(layer, planned, mode, reads.parts, projected(layer, planned, u), rest, split)
+    return finished(parts, rest, written, noise, edits)
+
+
+def projected(layer, planned: PlannedTerm, u: torch.Tensor) -> torch.Tensor:
+    """``u`` on the projection's output: times the split's projection multiplier and scale (``Heads`` /
+    ``Neurons``), where it has them."""
     if planned.projection_multiplier != 1.0:
         u = u * planned.projection_multiplier
     projection_scale = getattr(planned.term.split, "projection_scale", None)  # Heads / Neurons only
     if projection_scale is not None:
         u = u * param(layer, projection_scale).to(u.device)
-    parts, rest, _ = kind_module(planned, mode).score(layer, planned, mode, reads.parts, u, rest, split)
+    return u
+
+
+def finished(parts: torch.Tensor, rest, written, noise, edits: bool):
+    """``score_term``'s result from a split term's ``parts`` ``[batch, parts]`` and ``rest``: the parts, then (with
+    ``edits``) the gap between what the term ``written`` and its parts, then the rest; the gap and ``noise`` as
+    the rounding the self-check holds it to, when ``written`` was read for it (else None)."""
+    if written is None and not isinstance(rest, torch.Tensor):  # a float rest: one op, the parts padded with it
+        return torch.nn.functional.pad(parts, (0, 1), value=float(rest)), None
     rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
             else parts.new_full((), float(rest))).expand(parts.shape[0])  # a float: filled there, not copied
     if written is None:
@@ -218,20 +249,15 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     return torch.cat([parts, rest.unsqueeze(-1)], -1), (gap, noise.to(parts.device))
 
 
-def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granularity, sites: Sites, fit_errors: list,
-                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
-                 index: int = 0, patterns: list | None = None, writes: list | None = None):
-    """``(scores [batch, n], hyper, before, after)`` of each of one block's terms: all its reads first, in forward
-    order, then the arithmetic. ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else
-    None; ``before`` ``[batch]`` the frozen scale of a norm applied to the stream before the term, ``after``
-    ``(scale [batch], bias constant [batch])`` of a norm right after it (else None). ``split``: the block's ``SourceSplit``
-    (``by="source"``). ``rounding`` (low precision only) collects each checked split term's gap and squared noise
-    (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own, before its rest (``score_term``);
-    ``index``: the block's index (names a checked term); ``patterns`` collects ``(rebuild error, index)`` of the
-    heads split by source; ``writes`` collects each term's write as added (``adds.written_at``: the per-add check).
-
-    A shared ``outer_norm`` is read right after the last term that names it (its place in the forward pass).
-    """
+def layer_reads(layer, terms: tuple[PlannedTerm, ...], by: Granularity, sites: Sites, fit_errors: list,
+                split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
+                index: int = 0, patterns: list | None = None, writes: list | None = None) -> BlockReads:
+    """What scoring one block's terms needs, read in forward order (``layer_scores`` does the arithmetic, then or
+    later). ``split``: the block's ``SourceSplit`` (``by="source"``); ``rounding``: low precision (a checked split
+    term reads its write whole too); ``edits``: each split term reads its write whole (its ``.edit`` column);
+    ``index``: the block's index; ``patterns`` collects ``(rebuild error, index)`` of the heads split by source;
+    ``writes`` collects each term's write as added (``adds.written_at``: the per-add check). A shared
+    ``outer_norm`` is read right after the last term that names it (its place in the forward pass)."""
     modes = [planned.mode(by) for planned in terms]
     modes = ["heads" if m == "sources" and (split is None or not any(split.heads(p.parts))) else m
              for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
@@ -255,12 +281,36 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, by: Granular
     fit_errors.extend(norm.fit_error for r in reads for norm in r.norms())
     if patterns is not None:  # the heads rebuilt from pattern and values: checked on their own (by="source")
         patterns.extend((r.parts.pattern_error, index) for r in reads if isinstance(r.parts, sources.SourceReads))
+    return BlockReads(modes, reads, outers)
+
+
+class BlockReads(NamedTuple):
+    """One block's reads (``layer_reads``): each term's mode and ``TermReads``, and its shared outer norms frozen."""
+
+    modes: list
+    reads: list
+    outers: dict
+
+
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, block: BlockReads,
+                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
+                 index: int = 0, memo=None):
+    """``(scores [batch, n], hyper, before, after)`` of each of one block's terms, from its reads (``block``).
+    ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None; ``before`` ``[batch]``
+    the frozen scale of a norm applied to the stream before the term, ``after`` ``(scale [batch], bias constant
+    [batch])`` of a norm right after it (else None). ``rounding`` (low precision only) collects each checked split
+    term's gap and squared noise (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own,
+    before its rest (``score_term``); ``index``: the block's index (names a checked term); ``memo(key, make)``: the
+    call's ``Prepared`` (``trace.prepared``), keyed by ``(index, k, name)`` for term ``k``.
+    """
+    modes, reads, outers = block
     scores, biased = [], set()
     for k, planned in enumerate(terms):
         path = planned.term.write.outer_norm
         v, stream_constant, after_constant = directions[k]
         score, gap = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
-                                path is not None and path not in biased, split, edits)
+                                path is not None and path not in biased, split, edits,
+                                None if memo is None else (lambda name, make, k=k: memo((index, k, name), make)))
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)
             score[:, -1] += stream_constant.to(score.device)

@@ -43,21 +43,23 @@ def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout
         try:
             if intervene is None:
                 with torch.no_grad(), model.trace(dict(batch.encoding), **trace_kwargs):
-                    packed = call.run(model).pack()
-                    packed = nnsight.save(packed)
+                    out = call.run(model)
+                    out = nnsight.save(out if not remote else out.pack())  # locally the readout itself
             else:
                 with torch.no_grad(), model.trace(**trace_kwargs) as tracer:
                     with tracer.invoke(dict(batch.encoding)):
                         intervene(model)
                     with tracer.invoke():
-                        packed = call.run(model).pack()
-                        packed = nnsight.save(packed)
+                        out = call.run(model)
+                        out = nnsight.save(out if not remote else out.pack())
             break
         except Exception as error:
             if not remote:
                 raise
             attempt = retry_or_raise(error, attempt, remote)
-    return unpack(call, packed)
+    if type(out) is Readout and out.gathered_into is not None:  # local: already what unpacking its pack() gives
+        return out
+    return unpack(call, out if remote else out.pack())
 
 
 def run(model, plan, batches: Sequence, calls: Sequence, *, remote=False, progress: bool | None = None,

@@ -81,7 +81,8 @@ def keeps_logits(model) -> bool:
     """Whether the model's forward takes ``logits_to_keep`` (transformers computes the head on those positions only)."""
     import inspect
 
-    forward = getattr(model._module.forward, "__func__", None)
+    bound = model._module.forward  # a bound method, or nnsight's Controller wrapping the class's own forward
+    forward = getattr(bound, "__func__", None) or getattr(bound, "__wrapped__", None)
     if forward is None or forward is not getattr(type(model._module), "forward", None):  # patched: look every time
         return "logits_to_keep" in inspect.signature(model._module.forward).parameters
     if forward not in _KEEPS:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ...families import Neurons
-from ...math.linalg import linear_pullback
+from ...math.linalg import linear_pullback, on
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import Sites, at, read_site
@@ -60,10 +60,26 @@ def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: t
     return pulled, u, rest, bias
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None):
-    """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u``."""
-    pulled, u, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
-    parts = reads.inputs * pulled.to(reads.inputs.device)  # [n, in]: one part per input when parts are 1 wide
+def static(layer, planned: PlannedTerm, mode: str, u: torch.Tensor, rest):
+    """``(pulled [batch, in_features], rest)``: what ``score`` needs that depends only on the weights and ``u`` (the
+    pull-back through ``then`` and the projection, their biases added to ``rest``); None where an output gate,
+    read in the forward pass, stands between (``Neurons.output_gate``)."""
+    if getattr(planned.term.split, "output_gate", None) is not None:
+        return None
+    pulled, _, rest, bias = pull_back(layer, planned, u, rest)
+    return pulled, rest + bias
+
+
+def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None,
+          pulled: tuple | None = None):
+    """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u`` (``pulled``: ``static``'s,
+    made already: ``u`` and ``rest`` are then not read)."""
+    if pulled is None:
+        pulled = static(layer, planned, mode, u, rest)
+    if pulled is None:  # the output gate multiplies u channel by channel before the projection
+        back, _, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
+        pulled = back, rest + bias
+    parts = reads.inputs * on(pulled[0], reads.inputs.device)  # [n, in]: one part per input when parts are 1 wide
     if planned.part_width != 1:
         parts = parts.unflatten(-1, (planned.parts, planned.part_width)).sum(-1)
-    return parts, rest + bias, None
+    return parts, pulled[1], None
