@@ -15,8 +15,11 @@ Methods, timed interleaved in this one process (median of ``--repeats`` runs aft
    ``logits_to_keep=1``);
 2. ``trace_logits``: ``with torch.no_grad(), model.trace(batch): model.logits.save()`` (and ``trace_logits_keep1``);
 3. ``dla_block`` / ``dla_head`` / ``dla_neuron``: ``dla_recipes.attribute(model, prompts, target, by=...)`` (the
-   public API; it runs the head on the attributed positions only, ``logits_to_keep``); ``recipe_*``: the in-trace
-   recipe in a plain trace (every position through ``lm_head``), to show what that lever saves.
+   public API; it runs the head on the attributed positions only, ``logits_to_keep``); ``dla_head_all``: by head at
+   every position (``position="all"``: its fair floor is (2) itself, every position's logits); ``dla_features``: by
+   block with a TopK SAE (16384 latents, k=32, random weights) on the middle block's MLP (issue 32);
+   ``recipe_*``: the in-trace recipe in a plain trace (every position through ``lm_head``), to show what that lever
+   saves.
 
 For each: peak GPU memory above the loaded model (``torch.cuda.max_memory_allocated`` after a reset), and for (3)
 the attribution's error against the model's own logit, in bfloat16 (the recipe accumulates in float32; the
@@ -190,10 +193,22 @@ def main(argv=None) -> int:
                     model.logits.save()
         return run
 
-    def dla(by):
+    def dla(by, **options):
         def run():
-            return dla_recipes.attribute(model, prompts, target, by=by).error
+            return dla_recipes.attribute(model, prompts, target, by=by, **options).error
         return run
+
+    def dictionary(width: int, layer: int):
+        """A TopK SAE (k=32) with random weights on block ``layer``'s MLP output (issue 32's features)."""
+        from dla_recipes.features import Dictionary, Encoder
+
+        d, generator = config.hidden_size, torch.Generator(device="cpu").manual_seed(0)
+
+        def weights(*size):
+            return (torch.randn(*size, generator=generator) / d**0.5).to(device)
+
+        encoder = Encoder(weights(d, width), torch.zeros(width, device=device), activation="topk", k=32)
+        return {f"L{layer}.mlp": Dictionary(weights(width, d), torch.zeros(d, device=device), encoder)}
 
     def recipe(by):
         import nnsight
@@ -218,8 +233,10 @@ def main(argv=None) -> int:
 
     table = {"plain_forward": plain(False), "plain_forward_keep1": plain(True), "trace_logits": trace(False),
              "trace_logits_keep1": trace(True), "dla_block": dla("block"), "dla_head": dla("head"),
-             "dla_neuron": dla("neuron"), "recipe_block": recipe("block"), "recipe_head": recipe("head"),
-             "recipe_neuron": recipe("neuron")}
+             "dla_neuron": dla("neuron"), "dla_head_all": dla("head", position="all"),
+             "dla_features": dla("block", dictionaries=dictionary(16384 if not args.tiny else 256,
+                                                                  config.num_hidden_layers // 2)),
+             "recipe_block": recipe("block"), "recipe_head": recipe("head"), "recipe_neuron": recipe("neuron")}
     if args.methods:
         table = {k: v for k, v in table.items() if k in args.methods.split(",") or k == "trace_logits"}
 

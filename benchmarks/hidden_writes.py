@@ -29,6 +29,7 @@ import torch
 
 import dla_recipes
 from dla_recipes import models
+from dla_recipes.testing.hooks import adding
 
 PATHS = {"smollm2": models.default_model_path, "gemma3": models.gemma3_270m_path}
 PROMPTS = ["The Eiffel Tower is in the city of", "The capital of Italy is", "Berlin is the capital of"]
@@ -49,15 +50,6 @@ def median_norms(model) -> list[float]:
         states = hf(**enc, output_hidden_states=True).hidden_states  # embeddings, then each block's output
     mask = enc["attention_mask"].bool()
     return [float(s.float()[mask].norm(dim=-1).median()) for s in states[1:]]
-
-
-def adding(vector: torch.Tensor):
-    """A forward hook adding ``vector`` ``[d_model]`` to a block's output (a tensor, or a tuple's first element)."""
-    def hook(module, args, output):
-        if isinstance(output, tuple):
-            return (output[0] + vector.to(output[0].dtype),) + tuple(output[1:])
-        return output + vector.to(output.dtype)
-    return hook
 
 
 def directions(model, seed: int, randoms: int) -> list[tuple[str, torch.Tensor]]:

@@ -27,6 +27,7 @@ from dla_recipes.errors import InputError
 from dla_recipes.plan import build_plan
 from dla_recipes.plan.build import module_at
 from dla_recipes.testing import tiny
+from dla_recipes.testing.hooks import adding
 from dla_recipes.trace.adds import checked_blocks
 
 THRESHOLD = 0.003  # of the stream's norm: caught at and above it (the module docstring)
@@ -42,15 +43,6 @@ def model_in(family: str, dtype: torch.dtype):
         _MODELS[(family, dtype)] = dla_recipes.load(tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(),
                                                     device_map="cpu")
     return _MODELS[(family, dtype)]
-
-
-def adding(vector: torch.Tensor):
-    """A forward hook adding ``vector`` ``[d_model]`` to a module's output (a tensor or a tuple's first element)."""
-    def hook(module, args, output):
-        if isinstance(output, tuple):
-            return (output[0] + vector.to(output[0].dtype),) + tuple(output[1:])
-        return output + vector.to(output.dtype)
-    return hook
 
 
 def stream_norms(model) -> list[float]:
