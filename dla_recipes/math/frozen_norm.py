@@ -72,10 +72,7 @@ class NormProbe:
         return _center(x) if self.centers else x
 
     def to(self, device) -> NormProbe:
-        """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU); the probe
-        itself when they are there already."""
-        if self.bias.device == torch.device(device) and self.gain.device == self.bias.device:
-            return self
+        """The same probe with its tensors on ``device`` (a norm without parameters is probed on the CPU)."""
         return NormProbe(bias=self.bias.to(device), gain=self.gain.to(device), centers=self.centers, eps=self.eps,
                          dtype=self.dtype)
 
