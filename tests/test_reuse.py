@@ -124,3 +124,10 @@ def test_a_call_that_edits_the_forward_pass_takes_no_record(model, monkeypatch):
     assert not given
     attribute(model)
     assert len(given) == 1
+
+
+def test_a_module_slot_left_empty_is_walked_past(model, monkeypatch):
+    """A submodule slot holding None (``register_module(name, None)``, a bias registered as None) is no tensor."""
+    model._module.model.register_module("unused", None)
+    attribute(model, by="neuron")
+    same(attribute(model, by="neuron"), fresh(model, monkeypatch, by="neuron"))

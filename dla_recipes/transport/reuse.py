@@ -11,12 +11,12 @@ The key is computed on the host before the trace, so the trace never compares te
 on the host waits for the device): the plan (the object; a new plan, as ``dictionaries=`` makes, starts afresh), the
 targets' token ids, weights and mean weights (host tensors), and a stamp of every parameter and buffer of the model
 (its identity, storage address and in-place version, torch's ``_version``, which every in-place op, optimizer step
-and ``load_state_dict`` raises; a model moved or dispatched changes the address). The walk that finds those
-tensors is kept until any module registers a parameter, buffer or submodule (torch's global registration hooks,
-which ``module.weight = ...`` and ``module.mlp = ...`` run): then it is walked again. What no stamp sees is an
-in-place edit through ``.data`` (a tensor of its own sharing the storage, with a version of its own): a record left
-from before it gives parts that no longer sum to the edited model's logit, the self-check raises, and ``api`` runs
-the call again without any record (``forget``) before it lets an error through.
+and ``load_state_dict`` raises; a parameter or a module replaced, a model moved or dispatched changes the identity
+or the address), found by a walk of the modules every call (0.03-0.15 ms on the benchmarks' models: a model's own
+forward may rebuild a ``ModuleList`` of its blocks every call, so no registration hook can tell when to walk
+again). What no stamp sees is an in-place edit through ``.data`` (a tensor of its own sharing the storage, with a
+version of its own): a record left from before it gives parts that no longer sum to the edited model's logit, the
+self-check raises, and ``api`` runs the call again without any record (``forget``) before it lets an error through.
 
 Remote calls take no record (the server keeps nothing between requests; the record's tensors are the client's), nor
 do calls that edit the forward pass (``intervene=``), which may edit a weight inside the trace. A record keeps at
@@ -31,7 +31,6 @@ import weakref
 from collections import OrderedDict
 
 import torch
-import torch.nn.modules.module as module_hooks
 
 from ..trace.prepared import Prepared
 from ..trace.targets import LinearTarget
@@ -41,19 +40,6 @@ RECORDS = 4  # records kept per model: the most recently used targets
 KEEP_BYTES = 32 << 20  # the most a record holds between calls (RECORDS of them: at most 128 MiB a model)
 
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> Store
-_TREE = [0]  # how often any module registered a parameter, buffer or submodule (torch's global hooks, below)
-
-
-def _registered(*args) -> None:
-    """torch's registration hooks: a parameter, buffer or submodule was set on some module (the tensors below a
-    model are then walked again before a record is taken)."""
-    _TREE[0] += 1
-
-
-for _register in (module_hooks.register_module_parameter_registration_hook,
-                  module_hooks.register_module_buffer_registration_hook,
-                  module_hooks.register_module_module_registration_hook):
-    _register(_registered)
 
 
 def tensors_below(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -66,7 +52,7 @@ def tensors_below(module: torch.nn.Module) -> list[torch.Tensor]:
         if current._buffers:
             out.extend(t for t in current._buffers.values() if t is not None)
         if current._modules:
-            stack.extend(current._modules.values())
+            stack.extend(m for m in current._modules.values() if m is not None)
     return out
 
 
@@ -88,12 +74,11 @@ def target_key(target) -> tuple | None:
 
 
 class Store:
-    """One model's records: the plan and the weights' stamp they were made with, the tensors stamped (walked again
-    when any module anywhere registered a tensor or a submodule since: ``_TREE``), and up to ``RECORDS`` records
-    by target."""
+    """One model's records: the plan and the weights' stamp they were made with, and up to ``RECORDS`` records by
+    target."""
 
-    def __init__(self, plan, tensors: list, weights: tuple, tree: int):
-        self.plan, self.tensors, self.weights, self.tree = plan, tensors, weights, tree
+    def __init__(self, plan, weights: tuple):
+        self.plan, self.weights = plan, weights
         self.records: OrderedDict = OrderedDict()
 
 
@@ -106,15 +91,13 @@ class Reuse:
         self.store = None
         if not REUSE:
             return
-        store, tree = _STORES.get(self.module), _TREE[0]
         try:
-            tensors = store.tensors if store is not None and store.tree == tree else tensors_below(self.module)
-            weights = stamp(tensors)
+            weights = stamp(tensors_below(self.module))
         except RuntimeError:  # inference tensors (made under torch.inference_mode) keep no version: nothing reused
             return
+        store = _STORES.get(self.module)
         if store is None or store.plan is not plan or store.weights != weights:
-            store = _STORES[self.module] = Store(plan, tensors, weights, tree)
-        store.tensors, store.tree = tensors, tree
+            store = _STORES[self.module] = Store(plan, weights)
         self.store = store
 
     def for_target(self, target) -> Prepared | None:
