@@ -57,7 +57,7 @@ def pull_back(layer, planned: PlannedTerm, u: torch.Tensor, rest, output_gate: t
     if output_gate is not None:
         u = u * output_gate.to(u.device)
     pulled, bias = linear_pullback(module_at(layer, split.projection), u, planned.transposed)
-    return pulled, u, rest, bias
+    return pulled, rest, bias
 
 
 def static(layer, planned: PlannedTerm, mode: str, u: torch.Tensor, rest):
@@ -66,7 +66,7 @@ def static(layer, planned: PlannedTerm, mode: str, u: torch.Tensor, rest):
     read in the forward pass, stands between (``Neurons.output_gate``)."""
     if getattr(planned.term.split, "output_gate", None) is not None:
         return None
-    pulled, _, rest, bias = pull_back(layer, planned, u, rest)
+    pulled, rest, bias = pull_back(layer, planned, u, rest)
     return pulled, rest + bias
 
 
@@ -77,7 +77,7 @@ def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.T
     if pulled is None:
         pulled = static(layer, planned, mode, u, rest)
     if pulled is None:  # the output gate multiplies u channel by channel before the projection
-        back, _, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
+        back, rest, bias = pull_back(layer, planned, u, rest, reads.output_gate)
         pulled = back, rest + bias
     parts = reads.inputs * on(pulled[0], reads.inputs.device)  # [n, in]: one part per input when parts are 1 wide
     if planned.part_width != 1:

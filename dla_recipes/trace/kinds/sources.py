@@ -132,7 +132,7 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
     Source ``s`` of a prompt is padded position ``split.offsets[b] + s`` (a source past the padded length is zero),
     ``split.sources.count`` sources per split head.
     """
-    pulled, _, rest, bias = pull_back(layer, planned, u, rest)
+    pulled, rest, bias = pull_back(layer, planned, u, rest)
     heads_split, offsets, count = split.heads(planned.parts), split.offsets, split.sources.count
     heads, width = planned.parts, planned.part_width
     pattern, values = reads.pattern, reads.values.to(reads.pattern.device)
