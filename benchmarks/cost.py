@@ -12,9 +12,11 @@ number reported is the median over rounds of the per-round ratio to the floor), 
   of the reads the recipe makes by block);
 - ``block`` / ``head`` / ``neuron``: ``attribute(model, prompts, target, by=...)``, the public call end to end
   (tokenizing, plan, trace, self-check, result), the same call each round: a notebook asking again about the same
-  token, which takes the record of what depends only on the weights and the target (``transport.reuse``);
-- ``block_new`` / ``head_new`` / ``neuron_new``: the same call taking no kept record (``cost.no_records``), as a
-  call about a token not asked before (the pull-backs through ``W_O`` / ``W_down`` are made in the call).
+  token, which takes the record of what depends only on the weights and the target (``transport.reuse``) and the
+  batches prepared for the same arguments (``transport.memo``);
+- ``block_new`` / ``head_new`` / ``neuron_new``: the same call taking no kept record and no kept preparation
+  (``cost.no_records``), as a call about a token not asked before (the prompts tokenized, the targets resolved,
+  the pull-backs through ``W_O`` / ``W_down`` made in the call).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, float32, 30 layers) and ``wide`` (the random Llama of
 ``benchmarks/spec.py``: d_model 512, d_mlp 2048, 8 layers); batch 1 and 16 prompts of 12 tokens, no padding,
@@ -50,6 +52,7 @@ PROFILED = {
     "dla_recipes.transport.batches": ("prepare", "prepare_encoding", "resolve_all", "token_ids"),
     "dla_recipes.transport.run": ("run_trace",),
     "dla_recipes.transport.reuse": ("stamp",),
+    "dla_recipes.transport.memo": ("key_of", "recall"),
     "dla_recipes.result": ("assemble",),
     "dla_recipes.selfcheck": ("self_check",),
     "dla_recipes.trace.calls": ("direct_logit_attribution",),
@@ -64,22 +67,26 @@ PROFILED = {
 
 
 class no_records:
-    """Within it, ``attribute`` takes no record an earlier call left and keeps none (``transport.reuse.REUSE``), as
-    a call about a token not asked before; the records kept for the other calls stay (a checkout without
-    ``transport.reuse``: nothing to switch)."""
+    """Within it, ``attribute`` takes no record an earlier call left and keeps none (``transport.reuse.REUSE``), and
+    prepares its batches anew (``transport.memo.MEMO``), as a call about a token not asked before; what is kept for
+    the other calls stays (a checkout without these modules: nothing to switch)."""
+
+    SWITCHES = (("dla_recipes.transport.reuse", "REUSE"), ("dla_recipes.transport.memo", "MEMO"))
 
     def __enter__(self):
-        try:
-            self.reuse = importlib.import_module("dla_recipes.transport.reuse")
-        except ImportError:
-            self.reuse = None
-            return self
-        self.before, self.reuse.REUSE = self.reuse.REUSE, False
+        self.before = []
+        for name, flag in self.SWITCHES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+            self.before.append((module, flag, getattr(module, flag)))
+            setattr(module, flag, False)
         return self
 
     def __exit__(self, *exc):
-        if self.reuse is not None:
-            self.reuse.REUSE = self.before
+        for module, flag, value in self.before:
+            setattr(module, flag, value)
 
 
 def methods_for(model, prompts: list[str], ids, target: str) -> dict:

@@ -27,6 +27,7 @@ from .present.stats import as_stats, check_reduce
 from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.calls import DirectionCall, LogitCall, TopCall
+from .transport import memo
 from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
@@ -228,31 +229,10 @@ def attribute(
     if intervene is not None and not callable(intervene):
         raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
     n = len(prompts)
-    if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
-        target, contrast = resolve_all(model, prompts, target, contrast)
     stats = as_stats(reduce)
-    ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
-    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
-                  else groups(model, plan, prompts, batch_size, ids))
-
-    position = check_position(position)
-
-    def batches_for(target):
-        return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
-                             for_prompts(position, g, n), rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
-
-    if target is None:  # the model's own top token at each site: one more forward pass reads it
-        batches = batches_for(0)
-        tops = run_batches(model, plan, batches, tuple(TopCall(b.positions, b.rows, int(b.encoding['input_ids'].shape[1])) for b in batches),
-                           remote=remote, progress=progress, intervene=intervene, desc="top tokens")
-        if tops.error is not None:
-            raise tops.error
-        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),
-                                for_prompts(position, g, n), rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
-    else:
-        batches = batches_for(target)
-        check_grid(target, batches, "target")
-    check_grid(contrast, batches, "contrast")
+    key = memo.key_of(model, prompts, target, contrast, position, batch_size) if stats is None else None
+    batches, run_groups, layout, position, target, contrast = memo.prepared(plan, key, lambda: _batches(
+        model, plan, prompts, target, contrast, position, batch_size, stats, remote, progress, intervene))
     if sources is not None and by != "source":
         raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
     split = None
@@ -276,7 +256,6 @@ def attribute(
         return calls if stats is None else stats_calls(calls, batches, run_groups, stats, tolerance, n)
 
     reuse = Reuse(model, plan) if not remote and intervene is None else None
-    layout = layout_of(batches, run_groups, model.tokenizer)
     request = _Request(model, plan, batches, calls_for(reuse), tuple(i for g in run_groups for i in g), by,
                        tolerance, remote, progress, intervene, sources=split, layout=layout, reduce=reduce)
     if not blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
@@ -294,6 +273,38 @@ def attribute(
     finally:
         if reuse is not None:
             reuse.settle()
+
+
+def _batches(model, plan, prompts: list, target, contrast, position, batch_size, stats, remote, progress, intervene):
+    """``(batches, groups, layout, position, target, contrast)``: ``attribute``'s prompts checked, tokenized and
+    grouped into batches, every bad token named in one error (the position checked, the target and contrast resolved
+    to ids where they are tokens); ``target=None`` runs one more forward pass to read the model's top tokens."""
+    n = len(prompts)
+    if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
+        target, contrast = resolve_all(model, prompts, target, contrast)
+    ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
+    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
+                  else groups(model, plan, prompts, batch_size, ids))
+
+    position = check_position(position)
+
+    def batches_for(target):
+        return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
+                             for_prompts(position, g, n), rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
+
+    if target is None:  # the model's own top token at each site: one more forward pass reads it
+        batches = batches_for(0)
+        tops = run_batches(model, plan, batches, tuple(TopCall(b.positions, b.rows, int(b.encoding['input_ids'].shape[1])) for b in batches),
+                           remote=remote, progress=progress, intervene=intervene, desc="top tokens")
+        if tops.error is not None:
+            raise tops.error
+        batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),
+                                for_prompts(position, g, n), rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
+    else:
+        batches = batches_for(target)
+        check_grid(target, batches, "target")
+    check_grid(contrast, batches, "contrast")
+    return batches, run_groups, layout_of(batches, run_groups, model.tokenizer), position, target, contrast
 
 
 def top_grid(batch, ids: torch.Tensor) -> list[list[int]]:

@@ -47,6 +47,8 @@ precision bound is the model's own rounding; a gap far beyond it is a write the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import DLAError, ExactnessError, NonFiniteError
@@ -73,9 +75,11 @@ def computed_dtype(readout, dtype: torch.dtype) -> torch.dtype:
     """The dtype the model really computed in: what the trace measured (``Readout.unit_roundoff``, read where the
     model ran: on NDIF the client's model has no weights), else ``dtype``."""
     measured = getattr(readout, "unit_roundoff", None)
-    if measured is None or not bool(torch.isfinite(measured).all()) or float(measured.max()) <= 0:
+    if measured is None or measured.numel() == 0:
         return dtype
-    u = float(measured.max())
+    u = float(measured.max())  # NaN if any is (max propagates it): one read of the host tensor
+    if not math.isfinite(u) or u <= 0:
+        return dtype
     return min(UNIT_ROUNDOFF, key=lambda d: abs(UNIT_ROUNDOFF[d] - u))
 
 

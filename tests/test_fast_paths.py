@@ -6,7 +6,8 @@ check kept per model class (``transport.session.keeps_logits``), the plan kept p
 norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``), what depends only on
 the weights and the targets kept from an earlier call (``transport.reuse.REUSE``: the head, every term's direction,
 the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
-(``trace.recipe.DEFER_SITES``). Each is
+(``trace.recipe.DEFER_SITES``), a call's batches and layout kept for the same question asked again
+(``transport.memo.MEMO``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
 model's own logit (the head runs on the same positions either way). The fast side calls twice, so that its second
 call takes the record the first one left whole; in float32 on every family, in bfloat16 (where a split term also
@@ -30,7 +31,7 @@ from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
 from dla_recipes.trace import recipe
-from dla_recipes.transport import batches, reuse, session
+from dla_recipes.transport import batches, memo, reuse, session
 
 # Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
 # padding-unsafe ones group prompts of one length: the same single batch), one target at every site.
@@ -48,6 +49,7 @@ def slow_paths(monkeypatch) -> None:
                         lambda model: "logits_to_keep" in inspect.signature(model._module.forward).parameters)
     monkeypatch.setattr(reuse, "REUSE", False)  # every call makes what depends on the weights and targets anew
     monkeypatch.setattr(recipe, "DEFER_SITES", 0)  # every block scored right after its reads
+    monkeypatch.setattr(memo, "MEMO", False)  # every call checks, tokenizes and places its prompts anew
     build_plan.cache_clear()
 
 

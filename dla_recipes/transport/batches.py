@@ -7,7 +7,7 @@ its prompts' lengths is checked here with an ``InputError``: a target that is se
 vocabulary, a position outside a prompt, a prompt longer than the model's positions, a batch longer than the model
 runs in one pass (``check_single_pass``). Every bad target and contrast of a call is named in one error, with its
 prompt's index (``resolve_all``); a word given without the leading space the model most likely predicts is
-attributed as given, with a warning (``space_warning``).
+attributed as given, with a warning (``spacing.space_warning``).
 
 Which prompts share a forward pass (``group_prompts``): on most families left padding leaves a prompt's logits
 unchanged, so prompts are batched in the user's order, ``batch_size`` at a time. On a family with
@@ -18,8 +18,6 @@ grouped by token count, so no batch is padded (the result puts the rows back in 
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +28,7 @@ from ..errors import InputError, UnknownFamilyError
 from ..families import family_of, text_config
 from ..trace.targets import LinearTarget
 from .sites import place, remembered, targets_of, token_problems, which
+from .spacing import space_warning, spaced_id
 
 Token = str | int
 
@@ -117,7 +116,7 @@ def resolve_all(model, prompts: Sequence[str], target, contrast=None, rows: Sequ
 
     ``target`` / ``contrast``: one token for all prompts or one per prompt (``per_prompt``). Every bad one is named
     in ONE ``InputError``, with the indices (``rows``, default ``0..n-1``) of the prompts it was given for, so a
-    dataset is fixed in one pass, not one error per run. A good but unspaced word gets a warning (``space_warning``).
+    dataset is fixed in one pass, not one error per run. A good but unspaced word gets a warning (``spacing.space_warning``).
     """
     tokenizer_of(model)
     rows = list(rows) if rows is not None else list(range(len(prompts)))
@@ -154,59 +153,6 @@ def tokenizer_of(model):
     if model.tokenizer is None:
         raise InputError("the model has no tokenizer: load it with dla_recipes.load(..., tokenizer=...)")
     return model.tokenizer
-
-
-def spaced_id(tokenizer, word: str) -> int | None:
-    """The id of ``" " + word`` when that is a single token, else None (``word``: no leading space, a letter
-    first)."""
-    if not word or not word[0].isalpha():
-        return None
-    ids = remembered(tokenizer, ("ids", " " + word), lambda: list(tokenizer(" " + word, add_special_tokens=False)["input_ids"]))
-    return int(ids[0]) if len(ids) == 1 else None
-
-
-def space_warning(model, prompts, tokens, ids, role: str, rows: Sequence[int]) -> None:
-    """Warn when a word is given without its leading space (``"Paris"``) where the model most likely predicts
-    the spaced token (``" Paris"``); the word is attributed as given.
-
-    The rule reads only the tokenizer: it warns when the token was given as text starting with a letter, its
-    spaced form is ONE other token of the vocabulary, and the prompt does not end in whitespace (after a space
-    or a newline the unspaced token is the natural one). It does not read the model's logits: they are known only
-    after the trace (remotely: after the request), and a second logit read for every call would cost each call
-    for the sake of a few. On SmolLM2-135M and Gemma-3-270M the unspaced word's logit ("Paris", "Rome" after three
-    city prompts) is 7 to 9.5 below the spaced one's: the unspaced word is almost never what was meant. A token id never
-    warns: pass ``tokenizer.convert_tokens_to_ids(...)`` to attribute the unspaced token on purpose.
-    """
-    tokenizer = model.tokenizer
-    found: dict[tuple[str, int, int], list[int]] = {}
-    spaced: dict[str, int | None] = {}
-    for i, prompt, token, index in zip(rows, prompts, tokens, ids):
-        if isinstance(token, str) and not isinstance(prompt, str):  # token ids: the text they decode to
-            prompt = tokenizer.decode([int(t) for t in prompt])
-        if not isinstance(token, str) or not prompt or prompt[-1].isspace():
-            continue
-        if token not in spaced:
-            spaced[token] = spaced_id(tokenizer, token)
-        if spaced[token] is not None and spaced[token] != index:
-            found.setdefault((token, index, spaced[token]), []).append(i)
-    for (token, index, other), indices in found.items():
-        where = which(indices, len(prompts)) + (" does" if len(indices) == 1 else " do")
-        warnings.warn(
-            f"{role} {token!r} has no leading space, but {' ' + token!r} is one token too (id {other}), the one a "
-            f"model usually predicts after a word, and {where} not end in a space. "
-            f"Attributing {token!r} (id {index}) as given: pass {' ' + token!r} for the spaced word, or the id "
-            f"{index} to keep {token!r} without this warning",
-            UserWarning, stacklevel=user_stacklevel(),
-        )
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` of ``warnings.warn`` (called by the caller of this function) that names the first frame
-    outside dla_recipes: the user's line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "dla_recipes":
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_length(model, lengths: Sequence[int], rows: Sequence[int] | None = None) -> None:

@@ -42,24 +42,29 @@ KEEP_BYTES = 32 << 20  # the most a record holds between calls (RECORDS of them:
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> Store
 
 
-def tensors_below(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer below ``module``, in the order of a walk of its submodules."""
+def stamp(module: torch.nn.Module) -> list[tuple]:
+    """Each parameter and buffer below ``module`` (a walk of its submodules, a ``None`` slot passed over) as its
+    ``(identity, storage address, in-place version)``: an in-place edit, a move to another device or dtype, or
+    another tensor or module in its place changes it. One loop, no generator per module: the walk runs every call
+    (about 40 us on the wide benchmark model, where a walk then a stamp of its tensors took 70)."""
     out: list = []
+    add = out.append
     stack = [module]
+    pop, extend = stack.pop, stack.extend
     while stack:
-        current = stack.pop()
-        out.extend(t for t in current._parameters.values() if t is not None)
+        current = pop()
+        if current is None:
+            continue
+        for t in current._parameters.values():
+            if t is not None:
+                add((id(t), t.data_ptr(), t._version))
         if current._buffers:
-            out.extend(t for t in current._buffers.values() if t is not None)
+            for t in current._buffers.values():
+                if t is not None:
+                    add((id(t), t.data_ptr(), t._version))
         if current._modules:
-            stack.extend(m for m in current._modules.values() if m is not None)
+            extend(current._modules.values())
     return out
-
-
-def stamp(tensors: list[torch.Tensor]) -> tuple:
-    """Each tensor's ``(identity, storage address, in-place version)``: an in-place edit, a move to another device
-    or dtype, or another tensor in its place changes it."""
-    return tuple((id(t), t.data_ptr(), t._version) for t in tensors)
 
 
 def target_key(target) -> tuple | None:
@@ -77,7 +82,7 @@ class Store:
     """One model's records: the plan and the weights' stamp they were made with, and up to ``RECORDS`` records by
     target."""
 
-    def __init__(self, plan, weights: tuple):
+    def __init__(self, plan, weights: list):
         self.plan, self.weights = plan, weights
         self.records: OrderedDict = OrderedDict()
 
@@ -92,7 +97,7 @@ class Reuse:
         if not REUSE:
             return
         try:
-            weights = stamp(tensors_below(self.module))
+            weights = stamp(self.module)
         except RuntimeError:  # inference tensors (made under torch.inference_mode) keep no version: nothing reused
             return
         store = _STORES.get(self.module)

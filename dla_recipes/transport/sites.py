@@ -28,7 +28,7 @@ CACHE = "_dla_recipes_token_ids"  # the tokenizer's attribute holding what ``rem
 
 def remembered(tokenizer, key: tuple, compute):
     """``compute()`` for ``key`` of this tokenizer, computed once (a raised error is not kept): a token's id
-    (``batches.resolve_token``), its spaced form's (``batches.spaced_id``), kept on the tokenizer itself as
+    (``batches.resolve_token``), its spaced form's (``spacing.spaced_id``), kept on the tokenizer itself as
     ``{(what, text, vocabulary size): value}`` (the size is the tokenizer's own ``len``, so a token added later is
     looked up anew). Not a module-level table: a trace sent to NDIF pickles this package's functions with their
     globals (``nnsight.register``), and a table of weak references cannot be pickled."""
