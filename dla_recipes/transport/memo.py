@@ -10,8 +10,9 @@ question again (a cell run again, a loop that edits the model and asks again, ``
   per prompt, ``"next"`` or ``"mean"`` (a weighted set, a tensor or array, ``None``: not kept), the position (an
   int, a list of ints, a slice, ``"all"``, a slice per prompt) and ``batch_size``, each by its exact type (``True``
   is not ``1``);
-- the plan (the object: a new plan, as ``dictionaries=`` makes, starts afresh) and the tokenizer (the object, its
-  length, which a token added to it changes, its padding side and whether it adds a BOS or EOS token).
+- the plan (the object: a new plan, as ``dictionaries=`` makes, starts afresh) and the tokenizer (the object itself,
+  held by the key so that no other tokenizer can take its place, its length, which a token added to it changes, its
+  padding side and whether it adds a BOS or EOS token).
 
 What is kept is immutable (``Batch`` records of tuples and tensors no stage edits in place), so a call that finds
 its preparation runs the same trace on the same inputs: the same numbers bit for bit
@@ -77,9 +78,10 @@ def key_of(model, prompts, target, contrast, position, batch_size) -> tuple | No
     if _NONE in parts or target is None or (batch_size is not None and type(batch_size) is not int):
         return None
     try:
-        state = (id(tokenizer), len(tokenizer), getattr(tokenizer, "padding_side", None),
+        state = (tokenizer, len(tokenizer), getattr(tokenizer, "padding_side", None),  # the object: held, compared
                  getattr(tokenizer, "add_bos_token", None), getattr(tokenizer, "add_eos_token", None))
-    except TypeError:  # a tokenizer without a length
+        hash(state)
+    except TypeError:  # a tokenizer without a length, or unhashable
         return None
     return (tuple(prompts), *parts, batch_size, state)
 
