@@ -52,7 +52,7 @@ PROFILED = {
     "dla_recipes.transport.batches": ("prepare", "prepare_encoding", "resolve_all", "token_ids"),
     "dla_recipes.transport.run": ("run_trace",),
     "dla_recipes.transport.reuse": ("stamp",),
-    "dla_recipes.transport.memo": ("key_of", "recall"),
+    "dla_recipes.transport.memo": ("key_of", "prepared"),
     "dla_recipes.result": ("assemble",),
     "dla_recipes.selfcheck": ("self_check",),
     "dla_recipes.trace.calls": ("direct_logit_attribution",),
