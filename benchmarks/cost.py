@@ -2,8 +2,8 @@
 
 What ``dla_recipes.attribute`` costs next to the cheapest forward pass that answers the same question, in one
 process, interleaved rounds (``common.time_methods``: each round runs every method once in a shuffled order; the
-number reported is the median over rounds of the per-round ratio to the floor), ``OMP_NUM_THREADS`` fixed (default
-2, ``--threads``):
+number reported is the median over rounds of the per-round ratio to the floor, with a 95% bootstrap interval of
+that median: ``median_interval``), ``OMP_NUM_THREADS`` fixed (default 2, ``--threads``):
 
 - ``floor``: ``with torch.no_grad(), model.trace(ids, logits_to_keep=1): model.logits.save()``, the logits-only
   trace with the head on the last position only (what ``attribute`` itself asks of the model);
@@ -155,8 +155,21 @@ def time_methods(methods: dict, rounds: int, clock) -> dict:
         ratios = [v / b for v, b in zip(values, samples["floor"])]
         out[name] = {"median_s": statistics.median(values), "min_s": min(values), "runs": len(values),
                      "samples_s": values, "paired_ratio": statistics.median(ratios),
+                     "ratio_ci95": median_interval(ratios),
                      "ratio_of_medians": statistics.median(values) / statistics.median(samples["floor"])}
     return out
+
+
+def median_interval(values: list, resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (the per-round ratios): how far the number reported
+    could move in another run of the same rounds on the same machine (percentiles of ``resamples`` medians of
+    resampled rounds, seeded)."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 class Profile:
@@ -298,7 +311,8 @@ def run(args) -> dict:
                 entry_t["ratio_to_logits"] = sorted(ratios)[len(ratios) // 2]
             result["models"][key]["batches"][batch] = {
                 name: {k: v for k, v in t.items() if k != "samples_s"} for name, t in timings.items()}
-            print(f"{key} b{batch}: " + ", ".join(f"{n} {t['paired_ratio']:.3f}" for n, t in timings.items()),
+            print(f"{key} b{batch}: " + ", ".join(f"{n} {t['paired_ratio']:.3f} [{t['ratio_ci95'][0]:.3f}, "
+                                                   f"{t['ratio_ci95'][1]:.3f}]" for n, t in timings.items()),
                   flush=True)
         if args.profile:
             prompts = entry["prompts"][:1]
@@ -311,14 +325,16 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     lines = [(f"# The cost of one question (benchmarks/cost.py, OMP_NUM_THREADS={result['threads']}, "
              f"{result['rounds']} interleaved rounds, {result['machine']['cpu']})"), "",
-             ("Median per-round ratio to the floor (the logits-only trace with `logits_to_keep=1`); in brackets the "
-             "ratio to the logits-only trace with every position's logits."), ""]
+             ("Median per-round ratio to the floor (the logits-only trace with `logits_to_keep=1`), in square brackets "
+             "its 95% bootstrap interval over the rounds; in parentheses the ratio to the logits-only trace with "
+             "every position's logits."), ""]
     names = ("reads", "block", "head", "neuron", "block_new", "head_new", "neuron_new", "logits")
     lines.append("| model | batch | floor ms | " + " | ".join(names) + " |")
     lines.append("|---|---|---|" + "---|" * len(names))
     for key, model in result["models"].items():
         for batch, timings in model["batches"].items():
-            cells = [f"{timings[n]['paired_ratio']:.3f} ({timings[n]['ratio_to_logits']:.2f})" for n in names]
+            cells = [f"{timings[n]['paired_ratio']:.3f} [{timings[n]['ratio_ci95'][0]:.3f}, "
+                     f"{timings[n]['ratio_ci95'][1]:.3f}] ({timings[n]['ratio_to_logits']:.2f})" for n in names]
             lines.append(f"| {key} | {batch} | {timings['floor']['median_s'] * 1e3:.1f} | " + " | ".join(cells) + " |")
     for key, model in result["models"].items():
         for name, prof in model.get("profile", {}).items():
