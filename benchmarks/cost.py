@@ -10,6 +10,9 @@ that median: ``median_interval``), ``OMP_NUM_THREADS`` fixed (default 2, ``--thr
 - ``logits``: the same trace with every position's logits (the logits-only trace of ``benchmarks/local.py``);
 - ``reads``: the floor plus one read of every attention and MLP output at the last position (nnsight's own cost
   of the reads the recipe makes by block);
+- ``least``: a by-block attribution hand-written for these Llama-shaped models (``least_by_block``: the reads,
+  the final norm's scale, one dot product each; no plan, check or client), checked once against ``attribute``'s
+  parts: the least an exact by-block answer costs in an nnsight trace;
 - ``block`` / ``head`` / ``neuron``: ``attribute(model, prompts, target, by=...)``, the public call end to end
   (tokenizing, plan, trace, self-check, result), the same call each round: a notebook asking again about the same
   token, which takes the record of what depends only on the weights and the target (``transport.reuse``) and the
@@ -89,7 +92,7 @@ class no_records:
             setattr(module, flag, value)
 
 
-def methods_for(model, prompts: list[str], ids, target: str) -> dict:
+def methods_for(model, prompts: list[str], ids, target: str, target_id: int) -> dict:
     import nnsight
     import torch
 
@@ -123,12 +126,57 @@ def methods_for(model, prompts: list[str], ids, target: str) -> dict:
                 return dla_recipes.attribute(model, prompts, target, by=by)
         return run
 
-    out = {"floor": trace(True), "logits": trace(False), "reads": reads}
+    out = {"floor": trace(True), "logits": trace(False), "reads": reads,
+           "least": least_by_block(model, encoding, target_id)}
     for by in GRANULARITIES:
         out[by] = call(by, False)
         out[f"{by}_new"] = call(by, True)
     return out
 
+
+def least_by_block(model, encoding: dict, target_id: int):
+    """The least an exact by-block attribution of ``target_id``'s logit at the last position does in an nnsight 0.8
+    trace, hand-written for the benchmark's Llama-shaped models (RMSNorm final norm, no logit scale): read the
+    embedding and every attention and MLP output there (each copied, as a later in-place edit could reach it), read
+    the final norm's input, freeze its scale, and take each write's dot product with the head direction ``gain *
+    W_U[target] * scale``: ``[batch, 1 + 2 * layers]`` parts summing to the logit. No plan, no check, no client:
+    the gap between this and ``block`` is what the library's generality and its self-check cost."""
+    import nnsight
+    import torch
+
+    layers, eps = len(model.layers), model.config.rms_norm_eps
+    head = model.lm_head._module.weight[target_id].detach().float() * model.ln_final._module.weight.detach().float()
+
+    def run():
+        with torch.no_grad():  # noqa: SIM117 - nnsight reads the trace body from its own `with` line
+            with model.trace(dict(encoding), logits_to_keep=1):
+                writes = [model.embed_tokens.output[:, -1].clone()]
+                for i in range(layers):
+                    writes.append(model.layers[i].self_attn.output[0][:, -1].clone())
+                    writes.append(model.layers[i].mlp.output[:, -1].clone())
+                stream = model.ln_final.input[:, -1].float()
+                direction = head * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + eps)
+                parts = nnsight.save((torch.stack(writes, 1).float() * direction[:, None]).sum(-1))
+                logits = model.logits.save()
+        return parts, logits[:, -1, target_id]
+    return run
+
+
+def check_least(model, prompts: list[str], target: str, least) -> None:
+    """``least_by_block``'s parts against ``attribute``'s by block (embedding, then each block's attention and MLP)
+    and their sum against the model's own logit, once before timing: a wrong read would be off by a whole part, float32 reorderings of one ``d_model``-wide dot
+    product by ~1e-6 of the largest part, so 1e-3 of it separates the two."""
+    import dla_recipes
+
+    parts, logit = least()
+    attribution = dla_recipes.attribute(model, prompts, target, by="block")
+    values = attribution.values.float()
+    scale = max(1.0, float(values.abs().max()))
+    gap = float((parts - values).abs().max()) if parts.shape == values.shape else float("inf")
+    gap = max(gap, float((parts.sum(-1) - logit).abs().max()))  # and their sum against the model's own logit
+    if gap > 1e-3 * scale:
+        raise AssertionError(f"least_by_block reads other parts than attribute: {tuple(parts.shape)} vs "
+                             f"{tuple(values.shape)} ({attribution.labels[:3]}...), largest gap {gap:.3g}")
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -303,7 +351,8 @@ def run(args) -> dict:
         for batch in args.batches:
             prompts = entry["prompts"][:batch]
             ids = torch.tensor(entry["input_ids"][:batch])
-            methods = methods_for(model, prompts, ids, entry["target"])
+            methods = methods_for(model, prompts, ids, entry["target"], entry["target_id"])
+            check_least(model, prompts, entry["target"], methods["least"])
             timings = time_methods(methods, args.rounds, CLOCKS[args.clock])
             logits = timings["logits"]["samples_s"]
             for entry_t in timings.values():
@@ -328,7 +377,7 @@ def markdown(result: dict) -> str:
              ("Median per-round ratio to the floor (the logits-only trace with `logits_to_keep=1`), in square brackets "
              "its 95% bootstrap interval over the rounds; in parentheses the ratio to the logits-only trace with "
              "every position's logits."), ""]
-    names = ("reads", "block", "head", "neuron", "block_new", "head_new", "neuron_new", "logits")
+    names = ("reads", "least", "block", "head", "neuron", "block_new", "head_new", "neuron_new", "logits")
     lines.append("| model | batch | floor ms | " + " | ".join(names) + " |")
     lines.append("|---|---|---|" + "---|" * len(names))
     for key, model in result["models"].items():
