@@ -164,8 +164,9 @@ def least_by_block(model, encoding: dict, target_id: int):
 
 def check_least(model, prompts: list[str], target: str, least) -> None:
     """``least_by_block``'s parts against ``attribute``'s by block (embedding, then each block's attention and MLP)
-    and their sum against the model's own logit, once before timing: a wrong read would be off by a whole part, float32 reorderings of one ``d_model``-wide dot
-    product by ~1e-6 of the largest part, so 1e-3 of it separates the two."""
+    and their sum against the model's own logit, once before timing. A wrong read is off by a whole part; float32
+    reorderings of one ``d_model``-wide dot product, or of the 17-25 parts' sum, by ~1e-6 of the largest part
+    (``u = 2^-24`` times the terms' count and size): 1e-3 of it separates the two."""
     import dla_recipes
 
     parts, logit = least()
@@ -177,6 +178,7 @@ def check_least(model, prompts: list[str], target: str, least) -> None:
     if gap > 1e-3 * scale:
         raise AssertionError(f"least_by_block reads other parts than attribute: {tuple(parts.shape)} vs "
                              f"{tuple(values.shape)} ({attribution.labels[:3]}...), largest gap {gap:.3g}")
+
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
