@@ -6,8 +6,8 @@ check kept per model class (``transport.session.keeps_logits``), the plan kept p
 norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``), what depends only on
 the weights and the targets kept from an earlier call (``transport.reuse.REUSE``: the head, every term's direction,
 the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
-(``trace.recipe.DEFER_SITES``), a call's batches and layout kept for the same question asked again
-(``transport.memo.MEMO``). Each is
+(``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``trace.plain.LANE``), a
+call's batches and layout kept for the same question asked again (``transport.memo.MEMO``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
 model's own logit (the head runs on the same positions either way). The fast side calls twice, so that its second
 call takes the record the first one left whole; in float32 on every family, in bfloat16 (where a split term also
@@ -30,7 +30,7 @@ from dla_recipes import api
 from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
-from dla_recipes.trace import recipe
+from dla_recipes.trace import plain, recipe
 from dla_recipes.transport import batches, memo, reuse, session
 
 # Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
@@ -50,6 +50,7 @@ def slow_paths(monkeypatch) -> None:
     monkeypatch.setattr(reuse, "REUSE", False)  # every call makes what depends on the weights and targets anew
     monkeypatch.setattr(recipe, "DEFER_SITES", 0)  # every block scored right after its reads
     monkeypatch.setattr(memo, "MEMO", False)  # every call checks, tokenizes and places its prompts anew
+    monkeypatch.setattr(plain, "LANE", False)  # every small call scored term by term (trace.terms)
     build_plan.cache_clear()
 
 
@@ -104,3 +105,19 @@ def test_the_dedupe_is_off_and_only_rounding_when_on(monkeypatch):
     t = model.tokenizer.convert_tokens_to_ids("w20")
     limit = batch_bound(model, list(plain.prompts), lambda b, p, z: z[p, t], [int(p) for p in plain.positions])
     assert batch_ratio(deduped.values, plain.values, limit) <= 1
+
+
+def test_the_lane_is_taken_where_every_term_is_plain(monkeypatch):
+    """The common case's lane (``trace.plain``) scores Llama's terms at every granularity and GPT-2's by block (its
+    split terms have biases); Gemma-2's post-norms send every call the general way. The lane's numbers are the
+    general way's (``test_fast_paths_change_no_number``), so this checks only that the fast path is the one taken."""
+    taken = []
+    score = plain.Lane.score
+    monkeypatch.setattr(plain.Lane, "score", lambda self, reads: taken.append(1) or score(self, reads))
+    expected = {"llama": ("block", "head", "neuron"), "gpt2": ("block",), "gemma2": ()}
+    for family, lanes in expected.items():
+        model = tiny_model(family)
+        for by in ("block", "head", "neuron"):
+            taken.clear()
+            dla_recipes.attribute(model, PROMPTS[:2], "w20", by=by)
+            assert bool(taken) == (by in lanes), (family, by, taken)
