@@ -113,7 +113,21 @@ def _error_dropped(columns, width):
     return out
 
 
+def on_group(mode, change: Callable):
+    """Wrap ``trace.plain.products`` (the common case's lane): a group of ``mode`` (None: whole terms) has its
+    parts ``[n, members(, parts)]`` replaced by ``change(parts)``."""
+
+    def wrap(original):
+        @functools.wraps(original)
+        def mutated(*args, **kwargs):
+            parts = original(*args, **kwargs)
+            return change(parts) if bound(original, args, kwargs).arguments["group"].mode == mode else parts
+        return mutated
+    return wrap
+
+
 LINEAR = "dla_recipes.trace.kinds.linear"
+PLAIN = "dla_recipes.trace.plain:products"
 FEATURES = "dla_recipes.trace.kinds.features:split"
 MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("neurons_rolled", "each neuron's part moved to the next neuron of its block (sums unchanged)",
@@ -131,6 +145,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in (
            "one", f"{LINEAR}:read", one_position_earlier, ("sites",)),
     Mutant("norms_frozen_one_earlier", "the post-norms (and stream norms) frozen at the position before the "
            "attributed one", "dla_recipes.trace.terms:frozen_at", one_position_earlier, ("sites",)),
+    Mutant("lane_heads_permuted", "in the common case's lane, each block's head parts in reverse order (sums "
+           "unchanged)", PLAIN, on_group("heads", lambda parts: parts.flip(-1)), ("group",)),
+    Mutant("lane_neurons_rolled", "in the common case's lane, each neuron's part moved to the next neuron of its "
+           "block (sums unchanged)", PLAIN, on_group("neurons", lambda parts: parts.roll(1, -1)), ("group",)),
+    Mutant("lane_blocks_negated", "in the common case's lane, every term read whole negated", PLAIN,
+           on_group(None, lambda parts: -parts), ("group",)),
     Mutant("features_permuted", "each dictionary latent's part moved to the next latent (sums unchanged)",
            FEATURES, on_features(_rolled), ("dictionary",)),
     Mutant("features_error_dropped", "a dictionary's error part left out (set to 0)", FEATURES,

@@ -8,8 +8,8 @@ the weights and the targets kept from an earlier call (``transport.reuse.REUSE``
 the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
 (``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``trace.plain.LANE``), a
 call's batches and layout kept for the same question asked again (``transport.memo.MEMO``). Each is
-switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant and the
-model's own logit (the head runs on the same positions either way). The fast side calls twice, so that its second
+switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant, the
+model's own logit (the head runs on the same positions either way) and the self-check's bound and split rounding. The fast side calls twice, so that its second
 call takes the record the first one left whole; in float32 on every family, in bfloat16 (where a split term also
 reads its write whole, for the self-check) on one family of each group. The pull-back of equal rows computed once
 (``math.linalg.DEDUPE_ROWS``) is not one of them: it moves the last bits (a product of fewer rows may take another
@@ -70,6 +70,9 @@ def same_with_and_without(model, family: str, monkeypatch, granularities=SPLITS)
         for field in ("values", "constant", "logit", "output_logit"):
             a, b = getattr(fast[by], field), getattr(slow, field)
             assert torch.equal(a, b), (family, by, field, float((a - b).abs().max()))
+        for field in ("bound", "split_rounding"):  # the self-check's: the model's own rounding, as measured
+            a, b = torch.as_tensor(fast[by].diagnostics[field]), torch.as_tensor(slow.diagnostics[field])
+            assert torch.equal(a, b), (family, by, field, float((a - b).abs().max()))
         assert fast[by].labels == slow.labels
 
 
@@ -108,16 +111,19 @@ def test_the_dedupe_is_off_and_only_rounding_when_on(monkeypatch):
 
 
 def test_the_lane_is_taken_where_every_term_is_plain(monkeypatch):
-    """The common case's lane (``trace.plain``) scores Llama's terms at every granularity and GPT-2's by block (its
-    split terms have biases); Gemma-2's post-norms send every call the general way. The lane's numbers are the
-    general way's (``test_fast_paths_change_no_number``), so this checks only that the fast path is the one taken."""
+    """The common case's lane (``trace.plain``) scores Llama's terms at every granularity, in float32 and in
+    bfloat16 (where it also collects the model's own rounding for the self-check), and GPT-2's by block (its split
+    terms have biases); Gemma-2's post-norms send every call the general way. The lane's numbers are the general
+    way's (``test_fast_paths_change_no_number``), so this checks only that the fast path is the one taken."""
     taken = []
     score = plain.Lane.score
-    monkeypatch.setattr(plain.Lane, "score", lambda self, reads: taken.append(1) or score(self, reads))
+    monkeypatch.setattr(plain.Lane, "score", lambda self, *args: taken.append(1) or score(self, *args))
     expected = {"llama": ("block", "head", "neuron"), "gpt2": ("block",), "gemma2": ()}
     for family, lanes in expected.items():
-        model = tiny_model(family)
-        for by in ("block", "head", "neuron"):
-            taken.clear()
-            dla_recipes.attribute(model, PROMPTS[:2], "w20", by=by)
-            assert bool(taken) == (by in lanes), (family, by, taken)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tiny_model(family) if dtype == torch.float32 else dla_recipes.load(
+                tiny.build(family).to(dtype), tokenizer=tiny.tokenizer(), device_map="cpu")
+            for by in ("block", "head", "neuron"):
+                taken.clear()
+                dla_recipes.attribute(model, PROMPTS[:2], "w20", by=by)
+                assert bool(taken) == (by in lanes), (family, dtype, by, taken)

@@ -28,8 +28,8 @@ from test_positions import batch_bound, difference, ids_of
 import dla_recipes
 from dla_recipes import AttributionStats, ExactnessError, InputError, NonFiniteError, Stats
 from dla_recipes.testing import tiny
+from dla_recipes.trace import plain, terms
 from dla_recipes.trace import stats as trace_stats
-from dla_recipes.trace import terms
 
 FAMILIES = ("llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "deepseek_v3", "recurrent_gemma", "inkling")
 
@@ -293,12 +293,19 @@ def test_paired_differences():
         dla_recipes.attribute(model, clean, TARGET, reduce=Stats(paired=True))
 
 
+def plant(monkeypatch) -> None:
+    """A fault the self-check must see, in both ways a term is scored: the mlp term's score negated (the general
+    way, ``trace.terms``) and every term read whole negated (the common case's lane, ``trace.plain``)."""
+    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    monkeypatch.setattr(plain, "products", MUTANTS["lane_blocks_negated"].wrap(plain.products))
+
+
 def test_self_check_still_fires(monkeypatch):
     """A planted fault (the mlp term's score negated) raises the same ExactnessError with reduce="stats", naming
     the same prompt; a NaN in one prompt's parts raises the same NonFiniteError."""
     model = tiny_model("llama")
     prompts = dataset(9, seed=7)
-    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    plant(monkeypatch)
     for kwargs in ({}, {"position": "all", "target": "next"}):
         call = {"target": TARGET, "by": "head", "batch_size": 4} | kwargs
         with pytest.raises(ExactnessError) as rows_error:
@@ -307,7 +314,7 @@ def test_self_check_still_fires(monkeypatch):
             dla_recipes.attribute(model, prompts, **call, reduce="stats")
         assert str(stats_error.value) == str(rows_error.value) and "prompt " in str(stats_error.value)
     monkeypatch.undo()
-    original = terms.score_term
+    original, lane = terms.score_term, plain.products
 
     def poisoned(*args, **kwargs):  # prompt row 1 of each batch: its first score non-finite
         result = original(*args, **kwargs)
@@ -316,7 +323,14 @@ def test_self_check_still_fires(monkeypatch):
             score[1] = float("nan")
         return (score, *result[1:])
 
+    def poisoned_lane(*args, **kwargs):  # the same in the common case's lane (trace.plain)
+        parts = lane(*args, **kwargs).clone()
+        if parts.shape[0] > 1:
+            parts[1] = float("nan")
+        return parts
+
     monkeypatch.setattr(terms, "score_term", poisoned)
+    monkeypatch.setattr(plain, "products", poisoned_lane)
     with pytest.raises(NonFiniteError) as rows_error:
         dla_recipes.attribute(model, prompts, TARGET, by="head", batch_size=4)
     with pytest.raises(NonFiniteError) as stats_error:
@@ -332,7 +346,7 @@ def test_low_precision(monkeypatch):
     stats = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", reduce="stats", batch_size=4)
     attr = dla_recipes.attribute(model, prompts, TARGET, contrast=CONTRAST, by="head", batch_size=4)
     assert_matches_rows(stats, rows(attr))
-    monkeypatch.setattr(terms, "score_term", MUTANTS["mlp_negated"].wrap(terms.score_term))
+    plant(monkeypatch)
     with pytest.raises(ExactnessError) as rows_error:
         dla_recipes.attribute(model, prompts, TARGET, by="neuron", batch_size=4)
     with pytest.raises(ExactnessError) as stats_error:

@@ -164,8 +164,9 @@ def test_scores_never_wait_for_the_device_inside_the_forward(family, by):
 def test_the_counter_catches_a_planted_wait(monkeypatch):
     """A ``float()`` of a device value and a ``.to(device)`` of a host index right after a block's reads (before the
     next block runs) are counted, with the line that made them (so the test above can fail)."""
-    from dla_recipes.trace import recipe
+    from dla_recipes.trace import plain, recipe
 
+    monkeypatch.setattr(plain, "LANE", False)  # the general way, whose block reads the wait is planted after
     model = bf16_model("llama")
     counted(model, by="head")
     original = recipe.layer_reads  # every block's reads, in forward order (decompose calls it by this name)

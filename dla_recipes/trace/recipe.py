@@ -25,8 +25,8 @@ the same for a direction read by any block's norm. The math, for every family:
    experts that fired. No ``[batch, pos, d_model]`` activation is kept, and no ``[batch, d_mlp, d_model]`` tensor
    is ever built. What depends only on the weights and the targets (the head, each term's direction, the pull-backs
    through ``W_O`` / ``W_down``) is made once a call, or taken from an earlier call's record (``trace.prepared``).
-   In the common case (every term written straight into the stream, a small float32 call; ``trace.plain``) each
-   term is only read in the forward pass, and all are scored after it in one product per shape of term.
+   In the common case (every term written straight into the stream, a small call; ``trace.plain``) each term is
+   only read in the forward pass, and all are scored after it in one product per shape of term.
 4. At the end the final norm's scale ``s`` is fitted at the real stream, every number is multiplied by it, and the
    model's own logit is read from ``lm_head``'s output (times ``logit_scale``), so the caller can check
    ``values.sum(-1) + constant == logit``.
@@ -155,10 +155,10 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
         pending.clear()
 
     defer = by != "source" and len(sites) <= DEFER_SITES
-    # the common case (every term written straight into the stream, a small call in float32 or float64, no edit,
-    # no per-add check): each term read here, all scored after the forward pass in a few products (trace.plain)
-    lane = plain.lane(model, plan, by, stop, per_layer, prepared) if (
-        defer and not edits and rounding is None and adds is None) else None
+    # the common case (every term written straight into the stream, a small call, no edit, no per-add check): each
+    # term read here, all scored after the forward pass in a few products (trace.plain)
+    lane = plain.lane(model, plan, by, stop, per_layer, prepared, rounding is not None) if (
+        defer and not edits and adds is None) else None
     lane_reads: dict = {}
     for i, terms in enumerate(plan.terms_before(stop)):
         if i < first:  # inside the stream a residual dictionary splits: its parts stand for these blocks'
@@ -188,7 +188,7 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
                 previous = stream_after
     score_pending()
     if lane is not None:
-        scores.append(lane.score(lane_reads))
+        scores.append(lane.score(lane_reads, rounding, embed))
     if carried[0] is not None:  # the final collapse: each group's stream weights read along the collapse weights
         head = module_at(model, plan.family.collapse)
         read = at(head.input, sites)
