@@ -9,9 +9,9 @@ the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred
 (``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``trace.plain.LANE``), a
 call's batches and layout kept for the same question asked again (``transport.memo.MEMO``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant, the
-model's own logit (the head runs on the same positions either way) and the self-check's bound and split rounding. The fast side calls twice, so that its second
-call takes the record the first one left whole; in float32 on every family, in bfloat16 (where a split term also
-reads its write whole, for the self-check) on one family of each group. The pull-back of equal rows computed once
+model's own logit (the head runs on the same positions either way) and the self-check's bound and split rounding.
+The fast side calls twice, so that its second call takes the record the first one left whole; in float32 on every
+family, in bfloat16 (where a split term also reads its write whole, for the self-check) on one family of each group. The pull-back of equal rows computed once
 (``math.linalg.DEDUPE_ROWS``) is not one of them: it moves the last bits (a product of fewer rows may take another
 BLAS kernel), so it is off by default, and its test checks only that, switched on, it stays within float rounding.
 """

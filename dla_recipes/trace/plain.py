@@ -185,7 +185,8 @@ def made(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list,
     modes, shapes, columns = [], {}, []  # columns: (group key, member, its width in columns), in the plan's order
     writes: dict = {}  # a split term's direction on its write, by group key (low precision: its gap's)
     split: list = []  # (group key, member, (block, index)) of each split term, in forward order
-    for i, terms in enumerate(plan.terms_before(stop)):
+    before = plan.terms_before(stop)
+    for i, terms in enumerate(before):
         layer, block = model.layers[i], []
         for k, planned in enumerate(terms):
             plain, mode = plain_mode(planned, by)
@@ -223,7 +224,7 @@ def made(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list,
                          *((torch.stack([w for w, _ in writes[key]], 1),
                             filled([float(r) for _, r in writes[key]], device)) if key in writes else ()))
                    for key in keys)
-    checks = checks_of(plan, stop, per_layer, [(keys.index(key), j, name) for key, j, name in split], device) \
+    checks = checks_of(before, stop, per_layer, [(keys.index(key), j, name) for key, j, name in split], device) \
         if low else None
     if len(runs) == 1:  # the plan's order already (runs[0] starts at 0)
         return Lane(tuple(modes), groups, None, checks)
@@ -232,12 +233,11 @@ def made(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list,
     return Lane(tuple(modes), groups, order, checks)
 
 
-def checks_of(plan: Plan, stop: Stop | None, per_layer: list, split: list, device) -> Checks:
+def checks_of(before: list, stop: Stop | None, per_layer: list, split: list, device) -> Checks:
     """The lane's ``Checks``: the blocks whose stream noise ``recipe.decompose`` takes (every block with a term,
-    before ``stop``'s), their terms' count and the direction there."""
-    blocks = tuple(i for i, terms in enumerate(plan.terms_before(stop))
-                   if per_layer[i] and (stop is None or i < stop[0]))
-    adds = filled([float(len(plan.terms_before(stop)[i])) for i in blocks], device)
+    before ``stop``'s; ``before``: ``Plan.terms_before(stop)``), their terms' count and the direction there."""
+    blocks = tuple(i for i in range(len(before)) if per_layer[i] and (stop is None or i < stop[0]))
+    adds = filled([float(len(before[i])) for i in blocks], device)
     directions = torch.stack([per_layer[i][-1][0] for i in blocks], 1) if blocks else None
     return Checks(tuple(split), blocks, adds, directions)
 
