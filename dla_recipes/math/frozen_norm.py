@@ -80,6 +80,24 @@ class NormProbe:
         """Freeze the scale at ``stream`` ``[..., d_model]``; ``output`` is the norm's real output there (or call ``norm``)."""
         return FrozenNorm(norm, stream, output=output, probe=self)
 
+    def fit(self, stream: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, fit_error)``: the scale ``[...]`` frozen at ``stream`` ``[..., d_model]``, fitted to the norm's
+        real ``output`` there (least squares; in bfloat16 / float16 recomputed from the stream where they agree),
+        and the fit's error ``[]`` (``FrozenNorm``'s, without making the module: what the recipe reads of the final
+        norm). The probe's tensors must be on the stream's device (``to``)."""
+        x = stream.float()
+        y = output.float() - self.bias
+        direction = self.gain * self.center(x)
+        scale = (y * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+        fitted = direction * scale.unsqueeze(-1)
+        # a 0-d tensor on the stream's device: reading it as a float here would make the host wait for the
+        # device in the middle of the forward pass (the recipe reads it once, with the result)
+        fit_error = ((fitted - y).abs().max() / output.float().abs().max().clamp_min(1e-30)
+                     if output.numel() else torch.zeros((), device=x.device))
+        if self.dtype in (torch.bfloat16, torch.float16) and output.numel():
+            scale = _computed_scale(self, x, scale, torch.finfo(self.dtype).eps)
+        return scale, fit_error
+
 
 def identity_probe(width: int, device=None) -> NormProbe:
     """The probe of no norm at all (a family without a final norm): gain 1, bias 0, no centering; made on
@@ -220,19 +238,7 @@ class FrozenNorm(torch.nn.Module):
         torch.nn.Module.__init__(self)  # explicit: nnsight ships this class by source, without a __class__ cell
         probe = (probe if probe is not None else probe_norm(norm, stream.shape[-1])).to(stream.device)
         with torch.no_grad():
-            if output is None:
-                output = norm(stream)
-            x = stream.float()
-            y = output.float() - probe.bias
-            direction = probe.gain * probe.center(x)
-            scale = (y * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
-            fitted = direction * scale.unsqueeze(-1)
-            # a 0-d tensor on the stream's device: reading it as a float here would make the host wait for the
-            # device in the middle of the forward pass (the recipe reads it once, with the result)
-            fit_error = ((fitted - y).abs().max() / output.float().abs().max().clamp_min(1e-30)
-                         if output.numel() else torch.zeros((), device=x.device))
-            if probe.dtype in (torch.bfloat16, torch.float16) and output.numel():
-                scale = _computed_scale(probe, x, scale, torch.finfo(probe.dtype).eps)
+            scale, fit_error = probe.fit(stream, output if output is not None else norm(stream))
         # plain attributes (no parameter, buffer or submodule among them): set at once, past Module.__setattr__'s
         # checks of each name (a frozen norm is made per call, in the forward pass)
         self.__dict__.update(probe=probe, fit_error=fit_error, bias=probe.bias, gain=probe.gain, centers=probe.centers,

@@ -121,4 +121,4 @@ def first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
     rows are bad, so the host never waits for it)."""
     bad = ~torch.isfinite(scores)
     first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
-    return torch.where(bad.any(-1), first, torch.full_like(first, -1.0))
+    return torch.where(bad.any(-1), first, -1.0)

@@ -20,6 +20,12 @@ DEFAULTS = {"head_error": 0.0, "pattern_error": 0.0, "pattern_layer": -1.0, "log
             "add_norm": 0.0}
 
 
+def column(value: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """A field's value (``[n]``, ``[n, 1]`` or ``[]``) as ``[n]`` or ``[]`` on ``buffer``'s device (``gathered``)."""
+    value = value if value.device == buffer.device else value.to(buffer.device)
+    return value.reshape(-1) if value.dim() > 1 else value
+
+
 def default(name: str):
     """What makes the default of the ``Readout`` field ``name``: ``DEFAULTS[name]``, a ``[]`` float32 tensor."""
     return lambda: torch.tensor(DEFAULTS[name])
@@ -127,14 +133,21 @@ class Readout:
         """The readout of a trace, brought to the host in one copy: ``buffer`` ``[n, n_components + len(FIELDS)]``
         holds the values in its first columns (``recipe.joined``), ``fields`` (each ``[n]`` or ``[]``, on any
         device; a missing one takes its default) are written into its last columns on the device, and the whole is
-        copied to the host once, with the result: the only time the trace waits for the device."""
-        start = buffer.shape[1] - len(cls.FIELDS)
+        copied to the host once, with the result: the only time the trace waits for the device.
+
+        A handful of ops whatever the number of fields: the numbers known on the host and the columns of the tensor
+        fields go to the device in one row (one upload), the row is copied into every row of the fields' columns,
+        and the tensor fields, stacked ``[n, k]``, are copied into their columns by one ``index_copy_``."""
+        width = len(cls.FIELDS)
         values = [fields[name] if name in fields else DEFAULTS[name] for name in cls.FIELDS]
-        # the numbers known on the host, in one row copied into every row; then one copy a column of each tensor
-        buffer[:, start:] = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values])
-        for j, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
-                buffer[:, start + j].copy_(value.reshape(-1) if value.dim() > 1 else value)
+        tensors = [j for j, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        row = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values]
+                           + [float(j) for j in tensors]).to(buffer.device)
+        out = buffer[:, buffer.shape[1] - width:]
+        out.copy_(row[:width].expand_as(out))
+        if tensors:
+            stacked = torch.stack(torch.broadcast_tensors(*(column(values[j], buffer) for j in tensors)), -1)
+            out.index_copy_(1, row[width:].long(), stacked.float().expand(out.shape[0], -1))
         host = buffer.cpu()
         readout = cls.unpack(host)
         readout.buffer = readout.gathered_into = host

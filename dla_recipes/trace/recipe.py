@@ -46,7 +46,7 @@ import torch
 
 from ..args import Check, Granularity, check_granularity
 from ..math.adds import AddCheck
-from ..math.frozen_norm import FrozenNorm, probe_norm
+from ..math.frozen_norm import probe_norm
 from ..math.linalg import dot, exact, on
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
@@ -289,8 +289,8 @@ def direct_logit_attribution(
         x = at(stream, sites)
         y = at(normed, sites if normed.shape[1] == stream.shape[1] else
                Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
-        final: FrozenNorm = probe.freeze(x, y)
-        fit_errors.append(final.fit_error)
+        scale, fit_error = (probe if probe.gain.device == x.device else probe.to(x.device)).fit(x, y)  # frozen there
+        fit_errors.append(fit_error)
         final_read(adds, plan, x)  # the per-add check: the last block's output is what the final norm reads
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
         kept = positions - (stream.shape[1] - head_out.shape[1])
@@ -304,12 +304,12 @@ def direct_logit_attribution(
         logit = scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
         size = scaled_by(linear_targets.logit_size(target, head, means[2]), abs(plan.logit_scale))
         computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
-        checks = rounding_scales(x, direction, final.scale, y, final_head.logit_rows, rounding, size, scores,
+        checks = rounding_scales(x, direction, scale, y, final_head.logit_rows, rounding, size, scores,
                                  computed_in=computed, finite=final_head.finite)  # reads the scores unscaled
-        scores.mul_(on(final.scale, scores.device).unsqueeze(-1))  # in place: no second [n, components]
+        scores.mul_(on(scale, scores.device).unsqueeze(-1))  # in place: no second [n, components]
         pattern_error, pattern_layer = worst_pattern(patterns, buffer.device)
         return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
-                                norm_fit_error=largest(fit_errors, buffer.device), scale=final.scale,
+                                norm_fit_error=largest(fit_errors, buffer.device), scale=scale,
                                 pattern_error=pattern_error, pattern_layer=pattern_layer,
                                 weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks,
                                 **({} if adds is None else adds.fields()))
