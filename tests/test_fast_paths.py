@@ -127,3 +127,31 @@ def test_the_lane_is_taken_where_every_term_is_plain(monkeypatch):
                 taken.clear()
                 dla_recipes.attribute(model, PROMPTS[:2], "w20", by=by)
                 assert bool(taken) == (by in lanes), (family, dtype, by, taken)
+
+
+def test_the_readout_is_gathered_field_by_field():
+    """``Readout.gathered`` writes every field into its own column in a few ops (one upload of the host's numbers
+    and the tensor fields' columns, one ``index_copy_``): each field given as ``[n]``, ``[n, 1]``, ``[]``, float64,
+    bool or a Python number reads back from its own column, a field not given reads its default, and the values
+    stay in the first columns."""
+    from dla_recipes.trace.readout import DEFAULTS, Readout
+
+    n, width = 3, 5
+    values = torch.arange(n * width, dtype=torch.float32).reshape(n, width) - 7.5
+    buffer = torch.full((n, width + len(Readout.FIELDS)), float("nan"))
+    buffer[:, :width] = values
+    given = {"constant": torch.tensor([1.5, -2.0, 3.25]), "logit": torch.tensor([[4.0], [5.0], [6.0]]),
+             "output_logit": torch.tensor([7.0, 8.0, 9.0], dtype=torch.float64), "head_error": torch.tensor(0.125),
+             "norm_fit_error": 2e-7, "scale": torch.tensor([0.5, 0.25, 2.0]), "finite_head": torch.tensor([True, False, True]),
+             "pattern_layer": 3.0, "first_nonfinite": torch.tensor([-1.0, 2.0, -1.0]), "unit_roundoff": 2.0 ** -9}
+    readout = Readout.gathered(buffer, **given)
+    assert torch.equal(readout.values, values)
+    for name in Readout.FIELDS:
+        got = getattr(readout, name).reshape(-1)
+        want = given.get(name, DEFAULTS.get(name))
+        want = torch.as_tensor(want).float().reshape(-1)
+        if name in ("head_error", "norm_fit_error"):  # the batch's largest (unpack)
+            want = want.max().reshape(-1)
+        elif name in ("pattern_error", "pattern_layer"):  # the first row's
+            want = want[:1]
+        assert torch.equal(got, want.expand_as(got)), (name, got, want)

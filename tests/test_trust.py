@@ -275,3 +275,17 @@ def test_a_sample_of_the_false_alarm_sweep_raises_no_false_alarm():
     result = sweep.sweep("smollm2", torch.bfloat16, "cpu", 12, 6)
     assert result["calls"] == 12 and result["counts"] == {"ok": 12}, result["counts"]
     assert result["max_gap_over_bound"] < 1.0
+
+
+def test_a_hook_that_rescales_lm_heads_output_fails_the_head_check():
+    """The recipe skips the head check only where the model's output logits are ``lm_head``'s output itself (the same
+    tensor) and the family's head is the identity. A torch hook that returns a rescaled ``lm_head`` output makes the
+    logits another tensor, so the head check runs and names the final head; without the hook the call passes."""
+    model = _tiny("llama")
+    handle = model._module.lm_head.register_forward_hook(lambda module, inputs, output: output * 1.5)
+    try:
+        with pytest.raises(dla_recipes.ExactnessError, match="final head"):
+            dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")
+    finally:
+        handle.remove()
+    dla_recipes.attribute(model, PROMPTS, TARGET, contrast=CONTRAST, by="head")

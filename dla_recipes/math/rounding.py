@@ -67,7 +67,7 @@ def stream_sumsq(before: torch.Tensor, after: torch.Tensor, v: torch.Tensor) -> 
 def binade(x: torch.Tensor) -> torch.Tensor:
     """``2^floor(log2 |x|)`` (0 at 0): a value read in a low precision is off by at most ``u`` times this."""
     mantissa, exponent = torch.frexp(x.float())
-    return torch.where(x == 0, torch.zeros_like(mantissa), torch.ldexp(torch.ones_like(mantissa), exponent - 1))
+    return torch.ldexp((mantissa != 0).float(), exponent - 1)  # 0 at 0, whose mantissa is 0 (a NaN's or inf's is not)
 
 
 def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
@@ -119,6 +119,6 @@ def rounding_scales(stream, direction, scale, output, head, rounding: Rounding |
 def first_nonfinite(scores: torch.Tensor) -> torch.Tensor:
     """``[batch]`` float: the first column of ``scores`` that is not finite, or -1 (on the device: no read of which
     rows are bad, so the host never waits for it)."""
-    bad = ~torch.isfinite(scores)
-    first = torch.argmax(bad.to(torch.uint8), -1).float()  # argmax returns the first maximum
-    return torch.where(bad.any(-1), first, -1.0)
+    finite = torch.isfinite(scores)
+    first = torch.argmin(finite.to(torch.uint8), -1).float()  # argmin returns the first minimum: the first 0
+    return torch.where(finite.all(-1), -1.0, first)

@@ -295,13 +295,19 @@ def direct_logit_attribution(
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
         kept = positions - (stream.shape[1] - head_out.shape[1])
         head = linear_targets.pick(head_out, rows, kept, target)  # [n, K] at the target's tokens
-        own = on(linear_targets.pick(logits, rows, kept, target), head.device)
-        means = (linear_targets.vocab_mean(head_out, rows, kept), linear_targets.vocab_mean(logits, rows, kept),
-                 linear_targets.vocab_mean(head_out, rows, kept, absolute=True)) if target.uses_mean else (None,) * 3
+        # the model's output logits are lm_head's output itself (the same tensor) and the family's head is the
+        # identity (no logit scale, no soft-cap): the logit and the output logit are one number, the head's error 0
+        shared = logits is head_out and plan.logit_scale == 1 and plan.softcap is None
+        own = head if shared else on(linear_targets.pick(logits, rows, kept, target), head.device)
+        means = (None,) * 3
+        if target.uses_mean:
+            mean = linear_targets.vocab_mean(head_out, rows, kept)
+            means = (mean, mean if shared else linear_targets.vocab_mean(logits, rows, kept),
+                     linear_targets.vocab_mean(head_out, rows, kept, absolute=True))
         out = linear_targets.read_logits(target, own, means[1])
-        head_error = linear_targets.head_error(target, head, own, lambda z: softcap(scaled_by(z, plan.logit_scale),
-                                                                                    plan.softcap))
-        logit = scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
+        head_error = 0.0 if shared else linear_targets.head_error(
+            target, head, own, lambda z: softcap(scaled_by(z, plan.logit_scale), plan.softcap))
+        logit = out if shared else scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
         size = scaled_by(linear_targets.logit_size(target, head, means[2]), abs(plan.logit_scale))
         computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
         checks = rounding_scales(x, direction, scale, y, final_head.logit_rows, rounding, size, scores,
