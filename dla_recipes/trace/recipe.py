@@ -289,7 +289,7 @@ def direct_logit_attribution(
         x = at(stream, sites)
         y = at(normed, sites if normed.shape[1] == stream.shape[1] else
                Sites(rows, positions - (stream.shape[1] - normed.shape[1]), batch))
-        scale, fit_error = (probe if probe.gain.device == x.device else probe.to(x.device)).fit(x, y)  # frozen there
+        scale, fit_error = probe.to(x.device).fit(x, y)  # the final norm's scale, frozen at the real stream
         fit_errors.append(fit_error)
         final_read(adds, plan, x)  # the per-add check: the last block's output is what the final norm reads
         head_out, logits = model.lm_head.output, model.output.logits  # [batch, kept, vocab]: logits_to_keep
