@@ -54,7 +54,7 @@ import torch
 from .errors import DLAError, ExactnessError, NonFiniteError
 from .math.adds import where as add_site
 from .math.checks import FLOAT32_RTOL, precision_of, relative_bound, split_sum_bound
-from .math.rounding import SIGMAS, UNIT_ROUNDOFF, unit_roundoff
+from .math.rounding import SIGMAS, UNIT_ROUNDOFF, finite, unit_roundoff
 
 __all__ = ["SIGMAS", "UNIT_ROUNDOFF", "model_dtype", "precision_bound", "self_check", "unit_roundoff"]
 # FLOAT32_RTOL (the float32-style bound, FLOAT32_RTOL * max(1, |logit|)) and each site's bounds live in math.checks,
@@ -99,7 +99,7 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
     first = readout.first_nonfinite
     rows = torch.cat([t.reshape(-1) for t in (readout.stream_noise, readout.scale, readout.logit, readout.output_logit,
                                               readout.constant)])
-    if bool(readout.finite_head.bool().all() & (first < 0).all() & torch.isfinite(rows).all()):
+    if bool(readout.finite_head.all() & (first < 0).all() & finite(rows).all()):
         return  # all finite: one check (the cases below name the first place a NaN or inf appears)
     if not bool(readout.finite_head.bool().all()):
         where = "the head direction (the final norm's gain or lm_head's rows for the target and contrast)"

@@ -155,3 +155,31 @@ def test_the_readout_is_gathered_field_by_field():
         elif name in ("pattern_error", "pattern_layer"):  # the first row's
             want = want[:1]
         assert torch.equal(got, want.expand_as(got)), (name, got, want)
+
+
+def test_the_short_finite_test_and_the_infinity_norm_are_what_they_replace():
+    """Two ops the recipe issues fewer of: ``math.rounding.finite`` (``x - x == 0``, two ops) is ``torch.isfinite``
+    (four), and ``math.linalg.largest_abs`` (one infinity norm) is ``x.float().abs().max()`` (two), NaN included, on
+    every float dtype: zeros of both signs, subnormals, the largest finite values, infinities, NaN and random
+    values over many binades; ``first_nonfinite`` on rows of them is the first column ``isfinite`` finds bad."""
+    from dla_recipes.math.linalg import largest_abs
+    from dla_recipes.math.rounding import finite, first_nonfinite
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        info = torch.finfo(dtype)
+        special = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, 1.0,
+                                float("inf"), float("-inf"), float("nan")], dtype=torch.float64).to(dtype)
+        spread = torch.randn(4000, generator=generator, dtype=torch.float64)
+        spread = spread * 2.0 ** torch.randint(-40, 40, (4000,), generator=generator).double()
+        x = torch.cat([special, spread.to(dtype)])
+        assert torch.equal(finite(x), torch.isfinite(x)), dtype
+        rows = x[torch.randperm(x.numel(), generator=generator)[:2000]].reshape(200, 10)
+        ok = torch.isfinite(rows)
+        want = torch.where(ok.all(-1), -1.0, torch.argmin(ok.to(torch.uint8), -1).float())
+        assert torch.equal(first_nonfinite(rows), want), dtype
+        assert bool((want >= 0).any()) and bool((want < 0).any()), dtype  # both kinds of row were tried
+        for sample in (x, x[torch.isfinite(x)], rows[:, :3], special[:4], special[-2:]):
+            got, old = largest_abs(sample), sample.float().abs().max()
+            assert got.dtype == old.dtype == torch.float32
+            assert torch.equal(got, old) or (bool(got.isnan()) and bool(old.isnan())), (dtype, got, old)

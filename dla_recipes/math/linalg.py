@@ -39,6 +39,12 @@ def dot(a: torch.Tensor, b: torch.Tensor, keepdim: bool = False) -> torch.Tensor
     return (a * on(b, a.device)).sum(-1, keepdim=keepdim)
 
 
+def largest_abs(x: torch.Tensor) -> torch.Tensor:
+    """``[]`` float32: ``max |x|`` over every element (its infinity norm: one op, where ``x.abs().max()`` is two;
+    exact, as both are; a NaN anywhere gives NaN)."""
+    return torch.linalg.vector_norm(x.float(), float("inf"))
+
+
 def on(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device``: ``t`` itself when it is there already (no op issued: each op the recipe issues in the
     forward pass is a kernel launch on a GPU, and costs microseconds on a CPU)."""

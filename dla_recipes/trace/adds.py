@@ -61,18 +61,17 @@ def final_read(adds: AddCheck | None, plan: Plan, stream: torch.Tensor) -> None:
         adds.between(adds.last[0], adds.last[1], stream)
 
 
-def low_precision(model) -> bool:
-    """The model computes in bfloat16 or float16: its parameters are, or it runs under autocast (the bounds are
+def low_precision(weight: torch.Tensor) -> bool:
+    """The model computes in bfloat16 or float16: its parameters are (``weight``: ``lm_head``'s, read once a call:
+    each read of a parameter through an envoy is a few microseconds), or it runs under autocast (the bounds are
     then sized by the dtype its activations really had: ``activations_dtype``)."""
-    weight = model.lm_head.weight
     return weight.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(weight.device.type)
 
 
-def activations_dtype(model, *read: torch.dtype) -> torch.dtype:
-    """The dtype the forward pass computed in: the coarsest of the parameters' dtype, the dtypes of activations
-    ``read`` in the trace and the autocast running it (server side on NDIF, where the client's model has no
-    weights): a float32 model under ``torch.autocast`` to bfloat16 computes in bfloat16."""
-    weight = model.lm_head.weight
+def activations_dtype(weight: torch.Tensor, *read: torch.dtype) -> torch.dtype:
+    """The dtype the forward pass computed in: the coarsest of the parameters' dtype (``weight``: ``lm_head``'s),
+    the dtypes of activations ``read`` in the trace and the autocast running it (server side on NDIF, where the
+    client's model has no weights): a float32 model under ``torch.autocast`` to bfloat16 computes in bfloat16."""
     device = weight.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     return coarsest(weight.dtype, *read, autocast)

@@ -205,6 +205,8 @@ def largest(errors: list, device) -> torch.Tensor:
     if not errors:
         return torch.zeros((), device=device)
     if all(isinstance(e, torch.Tensor) and e.dim() == 0 and e.dtype == torch.float32 for e in errors):
+        if len(errors) == 1:  # the largest of one (a NaN stays NaN): no op
+            return on(errors[0], device)
         return torch.stack([on(e, device) for e in errors]).max()  # each a float32 0-d tensor: stacked as it is
     return torch.stack([e.to(device).float().reshape(()) if isinstance(e, torch.Tensor)
                         else torch.full((), float(e), device=device) for e in errors]).max()
@@ -274,7 +276,8 @@ def direct_logit_attribution(
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         adds = AddCheck() if check == "adds" else None
-        rounding = Rounding() if low_precision(model) else None
+        weight = model.lm_head.weight  # read once: the precision the call bounds (low_precision, activations_dtype)
+        rounding = Rounding() if low_precision(weight) else None
         patterns: list = []
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
@@ -309,7 +312,7 @@ def direct_logit_attribution(
             target, head, own, lambda z: softcap(scaled_by(z, plan.logit_scale), plan.softcap))
         logit = out if shared else scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
         size = scaled_by(linear_targets.logit_size(target, head, means[2]), abs(plan.logit_scale))
-        computed = activations_dtype(model, head_out.dtype, *(() if adds is None else (adds.dtype,)))
+        computed = activations_dtype(weight, head_out.dtype, *(() if adds is None else (adds.dtype,)))
         checks = rounding_scales(x, direction, scale, y, final_head.logit_rows, rounding, size, scores,
                                  computed_in=computed, finite=final_head.finite)  # reads the scores unscaled
         scores.mul_(on(scale, scores.device).unsqueeze(-1))  # in place: no second [n, components]
@@ -317,7 +320,7 @@ def direct_logit_attribution(
         return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=scale,
                                 pattern_error=pattern_error, pattern_layer=pattern_layer,
-                                weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks,
+                                weight_roundoff=unit_roundoff(weight.dtype), **checks,
                                 **({} if adds is None else adds.fields()))
 
 
@@ -346,12 +349,13 @@ def direction_attribution(
     with torch.no_grad():
         rows = torch.arange(positions.shape[0]) if rows is None else rows
         norm = module_at(model.layers[stop[0]], reads)
-        probe = probe_norm(norm, direction.shape[-1]).to(model.lm_head.weight.device)
+        weight = model.lm_head.weight  # read once (low_precision, activations_dtype, weight_roundoff)
+        probe = probe_norm(norm, direction.shape[-1]).to(weight.device)
         v = direction.float().to(probe.gain.device).expand(positions.shape[0], -1)
         # the rounding the self-check bounds is read only for a low-precision model (in float32 and float64 it is
         # far below the float32 floor of the check, and the reads cost time on small models)
         adds = AddCheck()  # passed to decompose only with check="adds" (else it stays empty)
-        rounding = Rounding() if low_precision(model) else None
+        rounding = Rounding() if low_precision(weight) else None
         pulled = probe.center(probe.gain * v)
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
         buffer, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows,
@@ -364,8 +368,8 @@ def direction_attribution(
         own = dot(output, v)  # the model's own normed stream, read along the direction
         checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
                                  len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
-                                 computed_in=activations_dtype(model, output.dtype, adds.dtype))
+                                 computed_in=activations_dtype(weight, output.dtype, adds.dtype))
         scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1))  # in place
         return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,
                                 norm_fit_error=largest(fit_errors, buffer.device), scale=frozen.scale,
-                                weight_roundoff=unit_roundoff(model.lm_head.weight.dtype), **checks, **adds.fields())
+                                weight_roundoff=unit_roundoff(weight.dtype), **checks, **adds.fields())

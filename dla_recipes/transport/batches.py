@@ -69,7 +69,7 @@ class Batch:
     @property
     def site_prompts(self) -> tuple[str, ...]:
         """Each site's prompt text."""
-        return tuple(self.prompts[int(b)] for b in self.rows)
+        return tuple(self.prompts[b] for b in self.rows.tolist())  # one read of the host tensor, not one per site
 
 
 def vocab_size(model) -> int:

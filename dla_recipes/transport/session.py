@@ -94,7 +94,7 @@ def trace_options(model, plan, batch) -> dict:
     """The keyword arguments of ``batch``'s trace: ``logits_to_keep`` (the head on the attributed positions only)
     where the family allows it."""
     if plan.family.logits_to_keep and keeps_logits(model):
-        return {"logits_to_keep": int(batch.encoding["input_ids"].shape[1] - batch.positions.min())}
+        return {"logits_to_keep": int(batch.encoding["input_ids"].shape[1]) - int(batch.positions.min())}
     return {}
 
 
