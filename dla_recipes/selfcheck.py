@@ -101,19 +101,19 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
                                               readout.constant)])
     if bool(readout.finite_head.all() & (first < 0).all() & finite(rows).all()):
         return  # all finite: one check (the cases below name the first place a NaN or inf appears)
-    if not bool(readout.finite_head.bool().all()):
+    if not bool(readout.finite_head.all()):
         where = "the head direction (the final norm's gain or lm_head's rows for the target and contrast)"
     elif bool((first >= 0).any()):
         column = int(first[first >= 0].min())
         label = labels[column] if labels is not None and column < len(labels) else f"component {column}"
         where = f"{label!r}, the first component whose write into the residual stream is not finite"
-    elif not bool(torch.isfinite(readout.stream_noise).all()):
+    elif not bool(finite(readout.stream_noise).all()):
         where = "the residual stream entering the final norm"
-    elif not bool(torch.isfinite(readout.scale).all()):
+    elif not bool(finite(readout.scale).all()):
         where = "the frozen norm's scale (the final norm, or the norm a direction is read through)"
-    elif not bool(torch.isfinite(readout.logit).all() & torch.isfinite(readout.output_logit).all()):
+    elif not bool(finite(readout.logit).all() & finite(readout.output_logit).all()):
         where = "the model's own logits"
-    elif not bool(torch.isfinite(readout.constant).all()):
+    elif not bool(finite(readout.constant).all()):
         where = "the final norm's bias or lm_head's bias"
     if where is None:
         return

@@ -92,9 +92,9 @@ class NormProbe:
         direction = self.gain * self.center(x)
         scale = (y * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
         fitted = direction * scale.unsqueeze(-1)
-        # a 0-d tensor on the stream's device: reading it as a float here would make the host wait for the
-        # device in the middle of the forward pass (the recipe reads it once, with the result)
-        # max |fitted - y| over max |output|: each an infinity norm, one op (abs then max is two), exact as they are
+        # max |fitted - y| over max |output| (each an infinity norm: one op, where abs then max is two), a 0-d tensor
+        # on the stream's device: reading it as a float here would make the host wait for the device in the middle
+        # of the forward pass (the recipe reads it once, with the result)
         fit_error = (largest_abs(fitted - y) / largest_abs(output).clamp_min(1e-30)
                      if output.numel() else torch.zeros((), device=x.device))
         if self.dtype in (torch.bfloat16, torch.float16) and output.numel():
