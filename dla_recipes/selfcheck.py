@@ -2,9 +2,10 @@
 
 ``self_check(readout, plan, by, dtype)`` runs on the client after every attribution, in this order:
 
-1. **Finite.** Any NaN or inf (in the head direction, a component's value, the stream entering the final norm, the
-   frozen norm's scale, the model's own logits) raises ``NonFiniteError`` naming the first place it appears in
-   forward order and what to do (a float16 model that overflows: load it in bfloat16 or float32).
+1. **Finite.** Any NaN or inf (in the head direction, a component's write or its value once the frozen scale
+   multiplies it, the stream entering the final norm, the frozen norm's scale, the model's own logits, the parts'
+   sum) raises ``NonFiniteError`` naming the first place it appears in forward order and what to do (a float16
+   model that overflows: load it in bfloat16 or float32).
 2. **The final head** (logit scale, soft-cap from the family table) reproduces the model's output logits.
 3. **Split terms.** Where a term is split into heads or neurons through one projection, in low precision, its
    parts plus bias are compared with what it really wrote, read where it is added, along the same direction
@@ -93,28 +94,38 @@ def float32_bound(readout) -> torch.Tensor:
     return relative_bound(readout.logit, FLOAT32_RTOL)
 
 
-def _nonfinite(readout, labels, plan, dtype) -> None:
-    """Raise ``NonFiniteError`` at the first non-finite number, in forward order."""
+def _nonfinite(readout, labels, plan, dtype, total: torch.Tensor) -> None:
+    """Raise ``NonFiniteError`` at the first non-finite number, in forward order; ``total`` ``[batch]`` is the parts'
+    sum plus the constant (``values.sum(-1) + constant``), the number the logit is checked against.
+
+    ``first_nonfinite`` (read in the trace) finds a component whose score is not finite before the frozen scale
+    multiplies it; the values themselves are tested too, since a finite score times a finite scale can still
+    overflow float32 (and two such overflows of opposite sign sum to NaN, which no comparison with a bound fails)."""
     where = None
     first = readout.first_nonfinite
-    rows = torch.cat([t.reshape(-1) for t in (readout.stream_noise, readout.scale, readout.logit, readout.output_logit,
-                                              readout.constant)])
+    rows = torch.cat([t.reshape(-1) for t in (readout.values, total, readout.stream_noise, readout.scale, readout.logit,
+                                              readout.output_logit)])
     if bool(readout.finite_head.all() & (first < 0).all() & finite(rows).all()):
         return  # all finite: one check (the cases below name the first place a NaN or inf appears)
     if not bool(readout.finite_head.all()):
         where = "the head direction (the final norm's gain or lm_head's rows for the target and contrast)"
     elif bool((first >= 0).any()):
-        column = int(first[first >= 0].min())
-        label = labels[column] if labels is not None and column < len(labels) else f"component {column}"
+        label = _label(labels, int(first[first >= 0].min()))
         where = f"{label!r}, the first component whose write into the residual stream is not finite"
     elif not bool(finite(readout.stream_noise).all()):
         where = "the residual stream entering the final norm"
     elif not bool(finite(readout.scale).all()):
         where = "the frozen norm's scale (the final norm, or the norm a direction is read through)"
+    elif not bool(finite(readout.values).all()):
+        label = _label(labels, int(finite(readout.values).logical_not().any(0).int().argmax()))
+        where = (f"{label!r}, the first component whose value overflows float32 once the frozen norm's scale "
+                 "multiplies it (its write is finite)")
     elif not bool(finite(readout.logit).all() & finite(readout.output_logit).all()):
         where = "the model's own logits"
     elif not bool(finite(readout.constant).all()):
         where = "the final norm's bias or lm_head's bias"
+    elif not bool(finite(total).all()):
+        where = "the parts' float32 sum (every part is finite; their sum overflows float32)"
     if where is None:
         return
     if dtype == torch.float16:
@@ -126,6 +137,11 @@ def _nonfinite(readout, labels, plan, dtype) -> None:
         f"family {plan.family.name!r}: a NaN or inf first appears in {where}; dla_recipes refuses to return "
         f"non-finite values. {fix}."
     )
+
+
+def _label(labels, column: int) -> str:
+    """Component ``column`` as the user knows it: ``labels[column]`` (``"L1.mlp"``), else ``"component {column}"``."""
+    return labels[column] if labels is not None and column < len(labels) else f"component {column}"
 
 
 def _where(names, row: int) -> str:
@@ -150,9 +166,10 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
         ``check="adds"``, ``add_rounding`` ``[batch]`` (the largest ratio of an add's gap to its own rounding).
     """
     dtype = computed_dtype(readout, dtype)
-    _nonfinite(readout, labels, plan, dtype)
+    total = readout.values.sum(-1) + readout.constant
+    _nonfinite(readout, labels, plan, dtype, total)
     try:
-        return _checked(readout, plan, by, dtype, tolerance, edits, names)
+        return _checked(readout, plan, by, dtype, tolerance, edits, names, total)
     except ExactnessError as error:
         cause = autocast(readout, dtype)
         if cause is None:
@@ -171,9 +188,10 @@ def autocast(readout, dtype: torch.dtype) -> str | None:
             f"{str(params).removeprefix('torch.')}; the bound is {str(dtype).removeprefix('torch.')}'s rounding)")
 
 
-def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None, edits: bool, names):
-    """Steps 2 to 5 of the module docstring (``self_check``'s, after the finite check)."""
-    total = readout.values.sum(-1) + readout.constant
+def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None, edits: bool, names,
+             total: torch.Tensor):
+    """Steps 2 to 5 of the module docstring (``self_check``'s, after the finite check); ``total`` ``[batch]`` the
+    parts' sum plus the constant."""
     error = float((total - readout.logit).abs().max())
     u = unit_roundoff(dtype)
     floor = float32_bound(readout)

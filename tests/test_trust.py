@@ -53,6 +53,34 @@ def test_float16_overflow_raises_nonfinite_and_says_to_use_bfloat16():
     assert isinstance(info.value, dla_recipes.ExactnessError)  # one except clause catches both
 
 
+def test_values_that_overflow_only_once_scaled_raise_nonfinite_naming_the_component():
+    """``first_nonfinite`` is read in the trace on the scores before the frozen norm's scale multiplies them; a finite
+    score times a finite scale can still overflow float32, and two such parts of opposite sign sum to NaN, which
+    fails no comparison with a bound (before this test, the self-check returned that NaN as the error). The values
+    and their sum are tested too. Readouts written by hand: no healthy model reaches float32's limit this way."""
+    from dla_recipes.plan import build_plan
+    from dla_recipes.trace.readout import Readout
+
+    model = _tiny("llama")
+    plan, labels = build_plan(model), ["embed", "L0.attn", "L0.mlp", "L1.attn"]
+
+    def readout(*values):  # the model's logit: the parts' sum where it is finite (the model's own is), else 1.0
+        rows = torch.tensor(values, dtype=torch.float32)
+        n = rows.shape[0]
+        logit = rows.double().sum(-1).float()
+        logit = torch.where(torch.isfinite(logit), logit, 1.0)
+        return Readout(values=rows, constant=torch.zeros(n), logit=logit, output_logit=logit,
+                       head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0), scale=torch.ones(n))
+
+    check.self_check(readout([1.0, 2.0, -0.5, 0.25], [0.5, -1.0, 4.0, 2.0]), plan, "block", labels=labels)
+    inf = float("inf")
+    for rows, first in (([[1.0, 2.0, -0.5, 0.25], [1.0, inf, -inf, 0.5]], "L0.attn"), ([[1.0, 2.0, 3e38, -inf]], "L1.attn")):
+        with pytest.raises(dla_recipes.NonFiniteError, match=f"'{first}'.*overflows float32 once the frozen norm"):
+            check.self_check(readout(*rows), plan, "block", labels=labels)
+    with pytest.raises(dla_recipes.NonFiniteError, match="their sum overflows float32"):
+        check.self_check(readout([1.0, 3e38, 3e38, 0.5]), plan, "block", labels=labels)
+
+
 # --- a write no component makes --------------------------------------------------------------------------------------
 
 def _add_to_block_output(model, layer: int, fraction: float, direction: torch.Tensor):
