@@ -81,6 +81,44 @@ def test_values_that_overflow_only_once_scaled_raise_nonfinite_naming_the_compon
         check.self_check(readout([1.0, 3e38, 3e38, 0.5]), plan, "block", labels=labels)
 
 
+def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
+    """The finite promise, fuzzed on 300 hand-written readouts (1-3 rows, 1-6 components, positive values over 40
+    binades, the logit their sum in float64: a float32 sum of positive numbers is within ``k * u`` of it, far inside
+    the check's float32 floor). Each gets a NaN, +inf or -inf in one random place of what the result returns (a
+    value, the constant, the logit, the output logit, the frozen scale, the stream's noise) with the in-trace flags
+    saying all is finite, or nothing: a readout with one raises ``NonFiniteError`` naming that place (never an
+    ``ExactnessError`` of another cause, never a NaN error returned); one without passes with a finite error."""
+    from dla_recipes.plan import build_plan
+    from dla_recipes.trace.readout import Readout
+
+    plan = build_plan(_tiny("llama"))
+    named = {"values": None, "constant": "bias", "logit": "own logits", "output_logit": "own logits",
+             "scale": "frozen norm's scale", "stream_noise": "residual stream entering"}
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n, k = 1 + trial % 3, 1 + (trial // 3) % 6
+        values = (torch.rand(n, k, generator=gen) + 0.5) * 2.0 ** torch.randint(-20, 20, (n, k), generator=gen)
+        constant = torch.rand(n, generator=gen)
+        logit = (values.double().sum(-1) + constant.double()).float()
+        fields = {"values": values, "constant": constant, "logit": logit, "output_logit": logit.clone(),
+                  "scale": torch.rand(n, generator=gen) + 0.5, "stream_noise": torch.rand(n, generator=gen)}
+        labels = [f"L{j}.mlp" for j in range(k)]
+        place = int(torch.randint(len(named) + 1, (), generator=gen))
+        if place == len(named):  # nothing non-finite: it passes
+            error, _ = check.self_check(Readout(head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0),
+                                                **fields), plan, "block", labels=labels)
+            assert error == error and abs(error) != float("inf"), (trial, error)
+            continue
+        name = list(named)[place]
+        bad = fields[name].reshape(-1)
+        spot = int(torch.randint(bad.numel(), (), generator=gen))
+        bad[spot] = (float("nan"), float("inf"), float("-inf"))[trial % 3]
+        want = named[name] or f"'L{spot % k}.mlp'.*overflows float32"
+        with pytest.raises(dla_recipes.NonFiniteError, match=want):
+            check.self_check(Readout(head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0), **fields),
+                             plan, "block", labels=labels)
+
+
 # --- a write no component makes --------------------------------------------------------------------------------------
 
 def _add_to_block_output(model, layer: int, fraction: float, direction: torch.Tensor):
