@@ -119,8 +119,8 @@ def _nonfinite(readout, labels, plan, dtype, total: torch.Tensor) -> None:
         where = "the residual stream entering the final norm"
     elif not bool(finite(readout.scale).all()):
         where = "the frozen norm's scale (the final norm, or the norm a direction is read through)"
-    elif not bool(finite(readout.values).all()):
-        label = _label(labels, int(finite(readout.values).logical_not().any(0).int().argmax()))
+    elif bool((bad := finite(readout.values).logical_not().any(0)).any()):  # [n_components]: any row's value bad
+        label = _label(labels, int(bad.int().argmax()))
         where = (f"{label!r}, the first component whose value overflows float32 once the frozen norm's scale "
                  "multiplies it (its write is finite)")
     elif not bool(finite(readout.logit).all() & finite(readout.output_logit).all()):

@@ -55,13 +55,20 @@ def test_float16_overflow_raises_nonfinite_and_says_to_use_bfloat16():
     assert isinstance(info.value, dla_recipes.ExactnessError)  # one except clause catches both
 
 
+def _readout(**fields):
+    """A hand-written ``Readout`` of ``fields`` (values, constant, logit, output logit, scale, ...), the two scalar
+    checks 0."""
+    from dla_recipes.trace.readout import Readout
+
+    return Readout(head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0), **fields)
+
+
 def test_values_that_overflow_only_once_scaled_raise_nonfinite_naming_the_component():
     """``first_nonfinite`` is read in the trace on the scores before the frozen norm's scale multiplies them; a finite
     score times a finite scale can still overflow float32, and two such parts of opposite sign sum to NaN, which
     fails no comparison with a bound (before this test, the self-check returned that NaN as the error). The values
     and their sum are tested too. Readouts written by hand: no healthy model reaches float32's limit this way."""
     from dla_recipes.plan import build_plan
-    from dla_recipes.trace.readout import Readout
 
     model = _tiny("llama")
     plan, labels = build_plan(model), ["embed", "L0.attn", "L0.mlp", "L1.attn"]
@@ -71,8 +78,7 @@ def test_values_that_overflow_only_once_scaled_raise_nonfinite_naming_the_compon
         n = rows.shape[0]
         logit = rows.double().sum(-1).float()
         logit = torch.where(torch.isfinite(logit), logit, 1.0)
-        return Readout(values=rows, constant=torch.zeros(n), logit=logit, output_logit=logit,
-                       head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0), scale=torch.ones(n))
+        return _readout(values=rows, constant=torch.zeros(n), logit=logit, output_logit=logit, scale=torch.ones(n))
 
     check.self_check(readout([1.0, 2.0, -0.5, 0.25], [0.5, -1.0, 4.0, 2.0]), plan, "block", labels=labels)
     inf = float("inf")
@@ -91,7 +97,6 @@ def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
     saying all is finite, or nothing: a readout with one raises ``NonFiniteError`` naming that place (never an
     ``ExactnessError`` of another cause, never a NaN error returned); one without passes with a finite error."""
     from dla_recipes.plan import build_plan
-    from dla_recipes.trace.readout import Readout
 
     plan = build_plan(_tiny("llama"))
     named = {"values": None, "constant": "bias", "logit": "own logits", "output_logit": "own logits",
@@ -107,8 +112,7 @@ def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
         labels = [f"L{j}.mlp" for j in range(k)]
         place = int(torch.randint(len(named) + 1, (), generator=gen))
         if place == len(named):  # nothing non-finite: it passes
-            error, _ = check.self_check(Readout(head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0),
-                                                **fields), plan, "block", labels=labels)
+            error, _ = check.self_check(_readout(**fields), plan, "block", labels=labels)
             assert math.isfinite(error), (trial, error)
             continue
         name = list(named)[place]
@@ -117,8 +121,7 @@ def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
         bad[spot] = (float("nan"), float("inf"), float("-inf"))[trial % 3]
         want = named[name] or f"'L{spot % k}.mlp'.*overflows float32"
         with pytest.raises(dla_recipes.NonFiniteError, match=want):
-            check.self_check(Readout(head_error=torch.tensor(0.0), norm_fit_error=torch.tensor(0.0), **fields),
-                             plan, "block", labels=labels)
+            check.self_check(_readout(**fields), plan, "block", labels=labels)
 
 
 # --- a write no component makes --------------------------------------------------------------------------------------
