@@ -70,11 +70,21 @@ PROFILED = {
 
 
 class no_records:
-    """Within it, ``attribute`` takes no record an earlier call left and keeps none (``transport.reuse.REUSE``), and
-    prepares its batches anew (``transport.memo.MEMO``), as a call about a token not asked before; what is kept for
-    the other calls stays (a checkout without these modules: nothing to switch)."""
+    """Within it, ``attribute`` takes no record an earlier call left and keeps none, and prepares its batches anew,
+    as a call about a token not asked before; what is kept for the other calls stays. A checkout with
+    ``dla_recipes.question`` asks for it per call (``options()``: ``fast=Fast(reuse=False, memo=False)``); an older
+    one has the module switches ``transport.reuse.REUSE`` and ``transport.memo.MEMO``, set here."""
 
     SWITCHES = (("dla_recipes.transport.reuse", "REUSE"), ("dla_recipes.transport.memo", "MEMO"))
+
+    @staticmethod
+    def options() -> dict:
+        """The keyword options of a call that takes no record (empty on a checkout of the module switches)."""
+        try:
+            from dla_recipes.question import Fast
+        except ImportError:
+            return {}
+        return {"fast": Fast(reuse=False, memo=False)}
 
     def __enter__(self):
         self.before = []
@@ -83,8 +93,9 @@ class no_records:
                 module = importlib.import_module(name)
             except ImportError:
                 continue
-            self.before.append((module, flag, getattr(module, flag)))
-            setattr(module, flag, False)
+            if hasattr(module, flag):
+                self.before.append((module, flag, getattr(module, flag)))
+                setattr(module, flag, False)
         return self
 
     def __exit__(self, *exc):
@@ -123,7 +134,7 @@ def methods_for(model, prompts: list[str], ids, target: str, target_id: int) -> 
             if not new:
                 return dla_recipes.attribute(model, prompts, target, by=by)
             with no_records():
-                return dla_recipes.attribute(model, prompts, target, by=by)
+                return dla_recipes.attribute(model, prompts, target, by=by, **no_records.options())
         return run
 
     out = {"floor": trace(True), "logits": trace(False), "reads": reads,
@@ -307,7 +318,7 @@ def profile(model, prompts, target, rounds: int, top: int) -> dict:
                 for _ in range(rounds):
                     if new:
                         with no_records():
-                            dla_recipes.attribute(model, prompts, target, by=by)
+                            dla_recipes.attribute(model, prompts, target, by=by, **no_records.options())
                     else:
                         dla_recipes.attribute(model, prompts, target, by=by)
                 total = (time.perf_counter() - start) / rounds

@@ -28,8 +28,9 @@ from . import (
     plan,
     trace,
 )
-from .api import attribute, attribute_direction
+from .api import attribute
 from .datasets import attribute_dataset
+from .direction import attribute_direction
 from .errors import (
     DLAError,
     ExactnessError,

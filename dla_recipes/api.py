@@ -13,20 +13,22 @@ server does not host, raises its ``RemoteError`` when nothing completed, and off
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from . import features
-from .args import Check, Granularity, check_call, check_check, check_int, check_position
+from .args import Check, Granularity, check_position, check_prompts
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
 from .plan import build_plan
 from .plan import sources as source_split
 from .present.attribution import Attribution
-from .present.stats import as_stats, check_reduce
-from .result import EDIT_HINT, assemble, assemble_stats, layout_of, rows_of
+from .question import Question, ask
+from .result import EDIT_HINT, Of, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
-from .trace.calls import DirectionCall, LogitCall, TopCall
+from .trace.calls import LogitCall, TopCall
+from .trace.reading import Reading, Where
 from .transport import memo
 from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
@@ -37,48 +39,60 @@ from .transport.sites import check_grid, for_group, for_prompts
 from .transport.stats import pair_groups, stats_calls
 
 
+class Logits(NamedTuple):
+    """What ``attribute`` attributes at each site: ``target`` minus ``contrast`` at ``position`` (as given)."""
+
+    target: object
+    contrast: object = None
+    position: object = -1
+
+
+def planned(model, question: Question):
+    """``(model, plan)``: the model as a ``StandardizedTransformer`` and its plan, checked for ``question.by`` and
+    with ``question.dictionaries`` attached (every problem of them in one ``InputError``). Every verb starts here."""
+    model = as_standardized(model)
+    plan = build_plan(model)
+    plan.require(question.by)
+    if question.dictionaries is not None:
+        plan = features.attach(model, plan, question.dictionaries, remote=bool(question.remote))
+    return model, plan
+
+
+def reading_of(question: Question, sources=None) -> Reading:
+    """What the trace reads of ``question`` (``sources``: ``by="source"``'s chosen heads, ``plan.Sources``)."""
+    return Reading(question.by, sources, question.edits, question.check, question.fast.lane)
+
+
 @dataclass(frozen=True)
-class _Request:
+class Request:
     """One ``attribute`` / ``attribute_direction`` call, batch by batch: what to run and how to assemble it."""
 
     model: object
-    plan: object
     batches: tuple
     calls: tuple
     order: tuple  # the user's index of each prompt in run order
-    by: str
-    tolerance: float | None
-    remote: object
-    progress: bool | None
-    intervene: object = None
-    stop: object = None
-    sources: object = None
-    read_by: str = ""
+    question: Question
+    of: Of  # what the readouts attribute (result.Of)
     layout: object = None
-    reduce: object = None  # None, "sum" or a Stats
 
 
-def _stats_of(r: _Request, readouts: tuple, dtype):
+def stats_of(r: Request, readouts: tuple):
     """``reduce=Stats(...)``: the ``AttributionStats`` of the batches whose ``readouts`` came back."""
-    k, stats = len(readouts), as_stats(r.reduce)
+    k = len(readouts)
     names = r.layout.names(rows_of(r.batches[:k]).positions)
-    return assemble_stats(r.plan, readouts, r.by, dtype, r.tolerance, r.stop, r.sources, r.read_by,
-                          r.intervene is not None, names, [len(b.rows) for b in r.batches[:k]], stats.seed,
-                          stats.paired)
+    return assemble_stats(r.of, readouts, names, [len(b.rows) for b in r.batches[:k]], r.question.stats)
 
 
-def _complete(request: _Request, done: tuple = ()) -> Attribution:
+def complete(request: Request, done: tuple = ()) -> Attribution:
     """Run the request's batches after the ``done`` readouts and assemble them; a remote request that fails for
     good raises a ``RemoteBatchError`` keeping the attribution of the requests that completed."""
-    r = request
-    ran = run_batches(r.model, r.plan, r.batches, r.calls, remote=r.remote, progress=r.progress,
-                      intervene=r.intervene, done=done, desc=f"DLA by {r.by}")
-    dtype = model_dtype(r.model)
-    if ran.error is None and as_stats(r.reduce) is not None:
-        return _stats_of(r, ran.readouts, dtype)
+    r, q = request, request.question
+    ran = run_batches(r.model, r.of.plan, r.batches, r.calls, remote=q.remote, progress=q.progress,
+                      intervene=q.intervene, done=done, desc=f"DLA by {q.by}")
+    if ran.error is None and q.stats is not None:
+        return stats_of(r, ran.readouts)
     if ran.error is None:
-        return assemble(r.plan, rows_of(r.batches), ran.readouts, r.by, dtype, r.tolerance, r.stop, r.sources,
-                        r.order, r.read_by, r.intervene is not None, r.layout, r.reduce)
+        return assemble(r.of, rows_of(r.batches), ran.readouts, r.order, r.layout, q.reduce)
     k, n = len(ran.readouts), len(r.batches)
     ran_prompts = r.order[:sum(len(b.prompts) for b in r.batches[:k])]  # the user's indices of the prompts that ran
     covered = tuple(sorted(ran_prompts))
@@ -86,13 +100,12 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     if not ran.readouts and not resumable:
         raise ran.error  # the first request failed for good: its RemoteError, nothing kept, nothing to resume
     partial = None
-    if ran.readouts and as_stats(r.reduce) is not None:
-        partial = _stats_of(r, ran.readouts, dtype)
+    if ran.readouts and q.stats is not None:
+        partial = stats_of(r, ran.readouts)
     elif ran.readouts:  # its rows in the user's order too: rank the indices that ran
         layout = None if r.layout is None else layout_of(r.batches[:k], groups_of(r)[:k])
-        partial = assemble(r.plan, rows_of(r.batches[:k]), ran.readouts, r.by, dtype, r.tolerance, r.stop,
-                           r.sources, [covered.index(i) for i in ran_prompts], r.read_by, r.intervene is not None,
-                           layout, r.reduce)
+        partial = assemble(r.of, rows_of(r.batches[:k]), ran.readouts, [covered.index(i) for i in ran_prompts],
+                           layout, q.reduce)
     kept = (f"The {k} request(s) before it completed: their attribution ({len(covered)} prompt(s)) is kept in this "
             "error's .partial")
     then = (f"; call .resume() to send the {n - k} remaining request(s) and get the whole attribution." if resumable
@@ -101,12 +114,12 @@ def _complete(request: _Request, done: tuple = ()) -> Attribution:
     raise RemoteBatchError(
         f"request {k + 1} of {n} failed: {ran.error}\n\n{kept}{then}",
         partial=partial, done=covered, failed_batch=k, cause=ran.error,
-        resume=(lambda: _complete(request, done=ran.readouts)) if resumable else None,
+        resume=(lambda: complete(request, done=ran.readouts)) if resumable else None,
     ) from ran.error
 
 
-def groups_of(request: _Request) -> list[list[int]]:
-    """Each batch's prompts, as the user numbers them (``_Request.order`` cut by batch)."""
+def groups_of(request: Request) -> list[list[int]]:
+    """Each batch's prompts, as the user numbers them (``Request.order`` cut by batch)."""
     out, start = [], 0
     for batch in request.batches:
         out.append(list(request.order[start:start + len(batch.prompts)]))
@@ -122,16 +135,17 @@ def attribute(
     contrast=None,
     position=-1,
     by: Granularity = "block",
+    dictionaries: dict | None = None,
+    sources: dict | None = None,
+    intervene=None,
+    check: Check = "logit",
+    tolerance: float | None = None,
+    reduce=None,
     remote=False,
+    blocking: bool = True,
     batch_size: int | None = None,
     progress: bool | None = None,
-    tolerance: float | None = None,
-    intervene=None,
-    sources: dict | None = None,
-    reduce=None,
-    blocking: bool = True,
-    check: Check = "logit",
-    dictionaries: dict | None = None,
+    fast=True,
 ):
     """Attribute the logit of ``target`` (minus ``contrast``) at ``position`` to the model's components.
 
@@ -210,64 +224,60 @@ def attribute(
         ``reduce="stats"``: an ``AttributionStats``.
         Raises ``ExactnessError`` when the parts do not sum to the model's own logit at some prompt and position.
     """
-    prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
-    check_reduce(reduce)
-    check_check(check)
-    if isinstance(target, str) and target == "generated":  # the answer is not known before it is generated
+    question = ask("attribute", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene, check=check,
+                   tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking, batch_size=batch_size,
+                   progress=progress, fast=fast)
+    return attribute_logits(model, prompts, Logits(target, contrast, position), question)
+
+
+def attribute_logits(model, prompts, logits: Logits, question: Question):
+    """``attribute``'s work, from its checked ``question``: what every verb that attributes a logit calls
+    (``attribute_generation`` the teacher-forced pass, ``attribute_dataset`` each chunk)."""
+    q = question
+    prompts = check_prompts(prompts)
+    if isinstance(logits.target, str) and logits.target == "generated":  # the answer is not known before it is
         raise InputError("target='generated': the model's own answer is attributed by dla_recipes.attribute_generation("
                          "model, prompts, max_new_tokens=..., contrast=...), which generates it and chooses each "
                          "answer's positions itself (no position=)")
-    if blocking is not True and (blocking is not False or not remote):
-        raise InputError(f"blocking={blocking!r}: blocking=False (a handle to wait on) needs remote=True or a URL")
-    model = as_standardized(model)
-    plan = build_plan(model)
-    plan.require(by)
-    if dictionaries is not None:
-        if by == "source":
-            raise InputError("dictionaries= with by='source': split heads by source, or terms by dictionary, per call")
-        plan = features.attach(model, plan, dictionaries, remote=bool(remote))
-    if intervene is not None and not callable(intervene):
-        raise InputError(f"intervene must be a function fn(model), not {type(intervene).__name__}")
-    n = len(prompts)
-    stats = as_stats(reduce)
-    key = memo.key_of(model, prompts, target, contrast, position, batch_size) if stats is None else None
-    batches, run_groups, layout, position, target, contrast = memo.prepared(plan, key, lambda: _batches(
-        model, plan, prompts, target, contrast, position, batch_size, stats, remote, progress, intervene))
-    if sources is not None and by != "source":
-        raise InputError(f"sources=... chooses the heads by='source' splits; it means nothing with by={by!r}")
+    model, plan = planned(model, q)
+    n, stats = len(prompts), q.stats
+    key = memo.key_of(model, prompts, logits, q.batch_size) if stats is None and q.fast.memo else None
+    batches, run_groups, layout, logits = memo.prepared(plan, key, lambda: _batches(model, plan, prompts, logits, q))
     split = None
-    if by == "source":
-        layers, top, upstream = source_split.parse(plan, sources)
+    if q.by == "source":
+        layers, top, upstream = source_split.parse(plan, q.sources)
         source_split.check(model, plan, layers)
         if upstream is not None:
             source_split.check_upstream(model, plan, layers, upstream)
         heads = None
         if top is not None:  # one more forward pass picks the heads to split
-            heads = attribute(model, prompts, target, contrast=contrast, position=position, by="head", remote=remote,
-                              batch_size=batch_size, progress=progress, tolerance=tolerance, intervene=intervene)
+            heads = attribute_logits(model, prompts, logits, q.but(by="head", sources=None, reduce=None,
+                                                                   dictionaries=None, check="logit"))
             heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, top, count, heads, upstream)
-    def calls_for(reuse: Reuse | None) -> tuple:  # each batch's in-trace call (reuse: local, no edits)
-        calls = tuple(LogitCall(plan, b.positions, b.targets, None, by, split,
-                                offsets(b) if by == "source" else None, intervene is not None, b.rows, check,
-                                None if reuse is None else reuse.for_target(b.targets))
-                      for b in batches)
-        return calls if stats is None else stats_calls(calls, batches, run_groups, stats, tolerance, n)
+    reading = reading_of(q, split)
 
-    reuse = Reuse(model, plan) if not remote and intervene is None else None
-    request = _Request(model, plan, batches, calls_for(reuse), tuple(i for g in run_groups for i in g), by,
-                       tolerance, remote, progress, intervene, sources=split, layout=layout, reduce=reduce)
-    if not blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
-        return RemoteJob(model, plan, batches, request.calls, remote=remote, intervene=intervene,
-                         finish=lambda readouts: _complete(request, done=readouts))
+    def calls_for(reuse: Reuse | None) -> tuple:  # each batch's in-trace call (reuse: local, no edits)
+        calls = tuple(LogitCall(plan, Where(b.positions, b.rows, offsets(b) if q.by == "source" else None),
+                                b.targets, reading=reading,
+                                prepared=None if reuse is None else reuse.for_target(b.targets))
+                      for b in batches)
+        return calls if stats is None else stats_calls(calls, batches, run_groups, stats, q.tolerance, n)
+
+    reuse = Reuse(model, plan) if not q.remote and not q.edits and q.fast.reuse else None
+    of = Of(plan, q.by, model_dtype(model), q.tolerance, sources=split, edits=q.edits)
+    request = Request(model, batches, calls_for(reuse), tuple(i for g in run_groups for i in g), q, of, layout)
+    if not q.blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
+        return RemoteJob(model, plan, batches, request.calls, remote=q.remote, intervene=q.intervene,
+                         finish=lambda readouts: complete(request, done=readouts))
     try:
-        return _complete(request)
+        return complete(request)
     except ExactnessError as error:
         if reuse is not None and reuse.served():  # a record from before a weight edit no stamp sees: made anew
             reuse.forget()
-            return _complete(replace(request, calls=calls_for(None)))
-        if intervene is None:
+            return complete(replace(request, calls=calls_for(None)))
+        if not q.edits:
             raise
         raise type(error)(f"{error}\n\n{EDIT_HINT}") from error  # NonFiniteError stays one
     finally:
@@ -275,18 +285,19 @@ def attribute(
             reuse.settle()
 
 
-def _batches(model, plan, prompts: list, target, contrast, position, batch_size, stats, remote, progress, intervene):
-    """``(batches, groups, layout, position, target, contrast)``: ``attribute``'s prompts checked, tokenized and
-    grouped into batches, every bad token named in one error (the position checked, the target and contrast resolved
-    to ids where they are tokens); ``target=None`` runs one more forward pass to read the model's top tokens."""
-    n = len(prompts)
+def _batches(model, plan, prompts: list, logits: Logits, question: Question):
+    """``(batches, groups, layout, logits)``: ``attribute``'s prompts checked, tokenized and grouped into batches,
+    every bad token named in one error (the position checked, the target and contrast resolved to ids where they
+    are tokens); ``target=None`` runs one more forward pass to read the model's top tokens."""
+    n, q = len(prompts), question
+    target, contrast = logits.target, logits.contrast
     if plain(target) and plain(contrast) and target is not None:  # every bad token named in one error
         target, contrast = resolve_all(model, prompts, target, contrast)
     ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
-    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
-                  else groups(model, plan, prompts, batch_size, ids))
+    run_groups = (pair_groups(model, plan, prompts, q.batch_size, ids) if q.stats is not None and q.stats.paired
+                  else groups(model, plan, prompts, q.batch_size, ids))
 
-    position = check_position(position)
+    position = check_position(logits.position)
 
     def batches_for(target):
         return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
@@ -295,7 +306,7 @@ def _batches(model, plan, prompts: list, target, contrast, position, batch_size,
     if target is None:  # the model's own top token at each site: one more forward pass reads it
         batches = batches_for(0)
         tops = run_batches(model, plan, batches, tuple(TopCall(b.positions, b.rows, int(b.encoding['input_ids'].shape[1])) for b in batches),
-                           remote=remote, progress=progress, intervene=intervene, desc="top tokens")
+                           remote=q.remote, progress=q.progress, intervene=q.intervene, desc="top tokens")
         if tops.error is not None:
             raise tops.error
         batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),
@@ -304,7 +315,7 @@ def _batches(model, plan, prompts: list, target, contrast, position, batch_size,
         batches = batches_for(target)
         check_grid(target, batches, "target")
     check_grid(contrast, batches, "contrast")
-    return batches, run_groups, layout_of(batches, run_groups, model.tokenizer), position, target, contrast
+    return batches, run_groups, layout_of(batches, run_groups, model.tokenizer), Logits(target, contrast, position)
 
 
 def top_grid(batch, ids: torch.Tensor) -> list[list[int]]:
@@ -313,86 +324,3 @@ def top_grid(batch, ids: torch.Tensor) -> list[list[int]]:
     for b, column, token in zip(batch.rows.tolist(), batch.columns, ids.tolist()):
         grid[b][column] = int(token)
     return grid
-
-
-def attribute_direction(
-    model,
-    prompts,
-    direction: torch.Tensor,
-    *,
-    layer: int,
-    sublayer: str = "mlp",
-    position=-1,
-    by: Granularity = "block",
-    remote=False,
-    batch_size: int | None = None,
-    progress: bool | None = None,
-    tolerance: float | None = None,
-    reduce=None,
-    check: Check = "logit",
-):
-    """Attribute ``norm(stream) @ direction`` where ``norm`` is the norm in front of block ``layer``'s ``sublayer``.
-
-    The stream that sublayer reads is decomposed into the terms written before it (the embedding, every earlier
-    block's terms, and this block's earlier terms unless the block is parallel), the norm that really reads it is
-    frozen at that stream, and the parts sum to the model's own ``norm(stream) @ direction``, read from the norm's
-    output in the same trace. Every row is read through that one norm's frozen scale.
-
-    Args:
-        direction: ``[d_model]``, ``[batch, d_model]`` or ``[batch, n_positions, d_model]`` (one per prompt and
-            position): a direction on the norm's output (a probe, a query direction, a difference of means).
-        layer, sublayer: the block and its sublayer (``"attn"``, ``"mlp"``, ...; names as in the labels) whose
-            norm reads the stream: ``sublayer="mlp"`` is ``ln2`` / ``post_attention_layernorm``.
-        position, by, remote, batch_size, progress, tolerance, reduce, check: as in ``attribute`` (``check="adds"``
-            holds the adds of the blocks before ``layer``).
-
-    Returns:
-        An ``Attribution`` (several positions: a ``PositionAttribution``) whose ``logit`` is
-        ``norm(stream) @ direction`` at each prompt's position.
-    """
-    if by == "source":
-        raise InputError("attribute_direction does not split heads by source yet: use by='head'")
-    prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
-    check_check(check)
-    check_reduce(reduce)
-    model = as_standardized(model)
-    plan = build_plan(model)
-    plan.require(by)
-    stop = plan.stop_before(check_int(layer, "layer"), sublayer)
-    reads = plan.layers[stop[0]][[p.term.name for p in plan.layers[stop[0]]].index(sublayer)].term.reads
-    direction = torch.as_tensor(direction)
-    if direction.device.type == "meta":
-        raise InputError(
-            "direction is on the meta device: a model's weights load at its first trace, so build the direction "
-            "after one (or load with dispatch=True), or pass a real tensor"
-        )
-    direction = direction.detach().float().cpu()
-    width = int(model.lm_head.weight.shape[-1])
-    if direction.shape[-1] != width or direction.dim() not in (1, 2, 3):
-        raise InputError(f"direction has shape {tuple(direction.shape)}: give [d_model={width}], [batch, {width}] or "
-                         f"[batch, n_positions, {width}]")
-    if direction.dim() >= 2 and direction.shape[0] != len(prompts):
-        raise InputError(f"{direction.shape[0]} directions for {len(prompts)} prompts: give one or one per prompt")
-    directions = direction.expand(len(prompts), *direction.shape[-2 if direction.dim() == 3 else -1:])
-    stats = as_stats(reduce)
-    ids = token_ids(model, plan, prompts)  # padding-unsafe: tokenized once, to group by length and to pad
-    run_groups = (pair_groups(model, plan, prompts, batch_size, ids) if stats is not None and stats.paired
-                  else groups(model, plan, prompts, batch_size, ids))
-    position = check_position(position)
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, for_prompts(position, g, len(prompts)), rows=g,
-                            ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
-    if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
-        raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
-                         f"{max(b.n_columns for b in batches)}: give [batch, n_positions, {width}]")
-    calls = []
-    for b, g in zip(batches, run_groups):
-        mine = directions[torch.as_tensor(g)][b.rows]  # [n, (n_positions,) d]: each site's prompt's
-        if mine.dim() == 3:
-            mine = mine[torch.arange(len(b.rows)), torch.as_tensor(b.columns)]
-        calls.append(DirectionCall(plan, b.positions, mine, stop, reads, by, b.rows, check))
-    if stats is not None:
-        calls = stats_calls(calls, batches, run_groups, stats, tolerance, len(prompts))
-    request = _Request(model, plan, batches, tuple(calls), tuple(i for g in run_groups for i in g), by, tolerance,
-                       remote, progress, stop=stop, read_by=f"L{stop[0]}.{reads}",
-                       layout=layout_of(batches, run_groups, model.tokenizer), reduce=reduce)
-    return _complete(request)

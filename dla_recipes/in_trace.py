@@ -57,14 +57,17 @@ import nnsight
 import torch
 from greenlet import getcurrent
 
-from .args import Granularity, check_granularity
+from . import features
+from .args import Check, Granularity
 from .errors import InputError, TraceUsageError
 from .families import family_of
 from .plan.build import plan_for
 from .plan.plan import Plan
+from .question import ask
 from .result import layout_of
 from .selfcheck import model_dtype
 from .trace.order import guard_names, watch
+from .trace.reading import Reading
 from .trace.recipe import direct_logit_attribution
 from .transport.batches import prepare_encoding
 
@@ -114,7 +117,7 @@ class TracedAttribution:
         # absolute imports: after a remote trace this object may be a copy whose class travelled back by value,
         # and the Attribution must be the client's own class
         from dla_recipes.errors import ExactnessError, TraceUsageError
-        from dla_recipes.result import EDIT_HINT, Rows, assemble
+        from dla_recipes.result import EDIT_HINT, Of, Rows, assemble
         from dla_recipes.trace.readout import Readout
 
         if self.packed is None:
@@ -126,8 +129,8 @@ class TracedAttribution:
         rows = Rows(self.prompts, self.target_tokens, self.contrast_tokens, self.positions)
         readouts = [Readout.unpack(self.packed)]
         try:
-            return assemble(self.plan, rows, readouts, self.by, self.dtype, self.tolerance, edits=True,
-                            layout=self.layout, reduce=self.reduce)
+            of = Of(self.plan, self.by, self.dtype, self.tolerance, edits=True)
+            return assemble(of, rows, readouts, layout=self.layout, reduce=self.reduce)
         except ExactnessError as failed:
             raise type(failed)(f"{failed}\n\n{EDIT_HINT}") from failed  # NonFiniteError stays one
 
@@ -207,8 +210,17 @@ def trace_attribution(
     contrast=None,
     position=-1,
     by: Granularity = "block",
+    dictionaries: dict | None = None,
+    sources: dict | None = None,
+    intervene=None,
+    check: Check = "logit",
     tolerance: float | None = None,
     reduce: str | None = None,
+    remote=False,
+    blocking: bool = True,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+    fast=True,
 ) -> TracedAttribution:
     """Attribute the logit of ``target`` (minus ``contrast``) inside your own trace, after your edits.
 
@@ -218,30 +230,39 @@ def trace_attribution(
 
     Args:
         tracer: the ``tracer`` of ``with model.trace() as tracer:``.
-        target, contrast, position, by, tolerance, reduce: as in ``attribute``; one target for every row of the
-            batch or one per row (the rows of all invokes, in order); several positions give a
-            ``PositionAttribution``.
+        target, contrast, position, by, dictionaries, check, tolerance, reduce, fast: as in ``attribute``; one
+            target for every row of the batch or one per row (the rows of all invokes, in order); several
+            positions give a ``PositionAttribution``; ``reduce``: None or ``"sum"``.
+        sources, intervene, remote, blocking, batch_size, progress: refused, each with its reason
+            (``dla_recipes.question.REFUSED``): your trace is the edit, the batch and where it runs.
 
     Returns:
         A ``TracedAttribution``; after the trace, ``.result()`` is the ``Attribution`` (labels, ``error``,
         ``top``, ``to_frame``), self-checked against the edited model's own logit.
     """
-    check_granularity(by)
-    if by == "source":
+    question = ask("trace_attribution", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
+                   check=check, tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking,
+                   batch_size=batch_size, progress=progress, fast=fast)
+    if question.by == "source":
         raise InputError("trace_attribution does not split heads by source yet: use attribute(..., by='source', "
                          "intervene=fn) for an edited forward pass, or by='head' here")
+    if question.stats is not None:
+        raise InputError(f"reduce={reduce!r}: trace_attribution returns one batch's rows: use None (one row a "
+                         "position) or 'sum' (each prompt's positions summed); statistics over many batches: "
+                         "attribute(..., reduce='stats', intervene=fn) or attribute_dataset")
     placement = _placement(tracer)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
     batch = prepare_encoding(model, encoding, target, contrast, position)
     plan = plan_for(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
+    if question.dictionaries is not None:
+        plan = features.attach(model, plan, question.dictionaries)
     shape = tuple(encoding["input_ids"].shape)
-    if reduce not in (None, "sum"):
-        raise InputError(f"reduce={reduce!r}: use None (one row a position) or 'sum' (each prompt's positions summed)")
+    reading = Reading(question.by, None, True, question.check, question.fast.lane)
     handle = TracedAttribution(
         plan=plan, by=by, prompts=batch.site_prompts, target_tokens=batch.target_tokens,
         contrast_tokens=batch.contrast_tokens, positions=batch.own_positions,
-        tolerance=tolerance, dtype=model_dtype(model),
+        tolerance=question.tolerance, dtype=model_dtype(model),
         layout=layout_of([batch], [list(range(len(batch.prompts)))], model.tokenizer), reduce=reduce,
     )
     positions, targets, contrasts, rows = batch.positions, batch.targets, batch.contrasts, batch.rows
@@ -253,13 +274,14 @@ def trace_attribution(
             watch(late)  # served at each site after every block still waiting there (a barrier's, a later invoke's)
             _check_batch(model, shape)
             handle.packed = nnsight.save(direct_logit_attribution(model, plan, positions, targets, contrasts, by,
-                                                                  edits=True, rows=rows).pack())
+                                                                  reading=reading, rows=rows).pack())
 
         _run_alongside(tracer.envoy.interleaver, run)
         return nnsight.save(handle)
     with tracer.invoke():
         watch(late)
         _check_batch(model, shape)
-        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by, edits=True, rows=rows).pack()
+        packed = direct_logit_attribution(model, plan, positions, targets, contrasts, by, reading=reading,
+                                          rows=rows).pack()
         handle.packed = nnsight.save(packed)
     return nnsight.save(handle)

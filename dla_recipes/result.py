@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -111,26 +111,43 @@ def by_position(attr: Attribution, layout: Layout):
     return PositionAttribution(attr, index, layout.prompts, layout.tokens)
 
 
-def assemble(plan, rows: Rows, readouts: Sequence[Readout], by: str, dtype: torch.dtype,
-             tolerance: float | None = None, stop=None, sources=None, order: Sequence[int] | None = None,
-             read_by: str = "", edits: bool = False, layout: Layout | None = None, reduce: str | None = None):
+@dataclass(frozen=True)
+class Of:
+    """What a call's readouts attribute, as the result stage reads it: the plan's components at ``by`` (before
+    ``stop``, ``by="source"``: split as ``sources`` says, ``edits``: with each split term's ``.edit`` column), the
+    dtype the model computes in (when the trace did not measure it), the user's relative ``tolerance`` (or None)
+    and ``read_by`` (``attribute_direction``'s norm, ``"L3.ln_2"``; empty for a logit)."""
+
+    plan: object
+    by: str
+    dtype: torch.dtype
+    tolerance: float | None = None
+    stop: object = None
+    sources: object = None
+    read_by: str = ""
+    edits: bool = False
+
+    def components(self):
+        """``(Components, Labels)`` of these readouts' columns (``components_of``)."""
+        return components_of(self.plan, self.by, self.stop, self.sources, self.edits)
+
+
+def assemble(of: Of, rows: Rows, readouts: Sequence[Readout], order: Sequence[int] | None = None,
+             layout: Layout | None = None, reduce: str | None = None):
     """One self-checked ``Attribution`` from each batch's ``Readout`` (in the batches' order).
 
     Args:
-        plan: the model's ``Plan`` (its components at ``by``, before ``stop``, split by ``sources``).
+        of: what the readouts attribute (``Of``).
         rows: what the rows attribute (``rows_of(batches)``), in run order.
-        readouts: one ``Readout`` per batch.  dtype: the dtype the model computes in (when the trace did not
-            measure it).  tolerance: the user's relative tolerance, or None.
+        readouts: one ``Readout`` per batch.
         order: the user's index of each prompt in run order; the result's rows are put back in the user's order.
-        read_by: ``attribute_direction``'s norm (``"L3.ln_2"``); empty for a logit.
-        edits: the forward pass may have been edited (``intervene=``, ``trace_attribution``): each split term has
-            an ``.edit`` column (``Plan.components``).
         layout: where each site goes (several positions a prompt: the result is a ``PositionAttribution``, its
             rows ordered by ``layout.order()``, which replaces ``order``); None: one row a prompt.
         reduce: ``"sum"``: each prompt's positions summed into one row (``PositionAttribution.sum``).
     """
+    plan, by, dtype, tolerance, read_by, edits = of.plan, of.by, of.dtype, of.tolerance, of.read_by, of.edits
     readout = Readout.concat(readouts)
-    components, labels = components_of(plan, by, stop, sources, edits)
+    components, labels = of.components()
     names = layout.names(rows.positions) if layout is not None else None
     error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits, names=names)
     computed = str(computed_dtype(readout, dtype)).removeprefix("torch.")  # what sized the bound (error_summary)
@@ -207,24 +224,25 @@ def in_user_order(attr: Attribution, order: Sequence[int]) -> Attribution:
     )
 
 
-def assemble_stats(plan, readouts: Sequence, by: str, dtype: torch.dtype, tolerance: float | None = None, stop=None,
-                   sources=None, read_by: str = "", edits: bool = False, names: Sequence[str] = (),
-                   sites: Sequence[int] = (), seed: int = 0, paired: bool = False) -> AttributionStats:
+def assemble_stats(of: Of, readouts: Sequence, names: Sequence[str] = (), sites: Sequence[int] = (),
+                   stats=None) -> AttributionStats:
     """ONE ``AttributionStats`` from each batch's ``trace.stats.StatsReadout`` (``reduce="stats"``), self-checked.
 
     The rows each batch sent back (its worst sites for the self-check, and any non-finite one) are checked by the
     unchanged ``self_check``, so a failure raises the ``ExactnessError`` / ``NonFiniteError`` it raises on every
-    row; ``names``: every site as the user knows it (run order), ``sites``: the sites per batch. A batch's readout
-    is None where a session merged it into the first batch's (``transport.session``): its kept sites count from
-    that batch's first site.
+    row; ``names``: every site as the user knows it (run order), ``sites``: the sites per batch; ``stats``: the
+    call's ``Stats`` (its seed and pairing). A batch's readout is None where a session merged it into the first
+    batch's (``transport.session``): its kept sites count from that batch's first site.
     """
-    labels = components_of(plan, by, stop, sources, edits)[1]
+    plan, by, dtype, tolerance, edits = of.plan, of.by, of.dtype, of.tolerance, of.edits
+    seed, paired = (0, False) if stats is None else (stats.seed, stats.paired)
+    labels = of.components()[1]
     starts = [sum(sites[:k]) for k in range(len(readouts))]
     starts, readouts = zip(*[(start, r) for start, r in zip(starts, readouts) if r is not None])  # None: merged
     kept = Readout.concat([r.rows for r in readouts])
     kept_names = [names[start + int(s)] for start, r in zip(starts, readouts) for s in r.sites] if names else None
     self_check(kept, plan, by, dtype, tolerance, labels=labels, edits=edits, names=kept_names)
-    meta = {"seed": seed, "by": by, "family": plan.family.name, "read_by": read_by, "paired": paired}
+    meta = {"seed": seed, "by": by, "family": plan.family.name, "read_by": of.read_by, "paired": paired}
     total = None
     for r in readouts:
         part = AttributionStats.from_accumulators(labels, r.count, r.mean, r.m2, r.positive, r.boot, r.weight, r.flip,

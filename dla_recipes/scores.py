@@ -10,15 +10,17 @@ score within its precision raises ``ExactnessError``; a query or key the recipe 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from .args import check_call
+from .api import planned
+from .args import Check, Granularity, check_prompts
 from .errors import DLAError, ExactnessError, InputError
-from .loading.load import as_standardized
 from .math.rounding import unit_roundoff
-from .plan import build_plan
 from .plan.scores import score_spec
 from .present.scores import ScoreAttribution
+from .question import Question, ask
 from .selfcheck import model_dtype
 from .trace.scores import ScoreCall
 from .transport.batches import groups, offsets, prepare, token_ids
@@ -43,9 +45,11 @@ def own_positions(value, length: int, role: str, prompt: int) -> int:
     return own
 
 
-def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), by: str = "block", remote=False,
-                     batch_size: int | None = None, progress: bool | None = None,
-                     tolerance: float | None = None) -> ScoreAttribution:
+def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), by: Granularity = "block",
+                     dictionaries: dict | None = None, sources: dict | None = None, intervene=None,
+                     check: Check = "logit", tolerance: float | None = None, reduce=None, remote=False,
+                     blocking: bool = True, batch_size: int | None = None, progress: bool | None = None,
+                     fast=True) -> ScoreAttribution:
     """Split head ``head``'s pre-softmax attention score of ``query`` against each of ``keys`` into components.
 
     Args:
@@ -56,23 +60,45 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
         keys: an int or a list of key positions (negative: from each prompt's end), each at or before the query.
         by: ``"block"`` (the embedding and each earlier block's terms) or ``"head"`` (each earlier attention's heads
             and their rest, ``L3.attn``; MLPs whole). Both sides have the same components.
+        intervene: ``fn(model)`` as in ``attribute``: the score of the EDITED forward pass, split over what each
+            component wrote in it (an edit of the head's own query or key is refused by the rebuild check).
         remote: as in ``attribute`` (runs in the trace on the server; only the matrices come back).
-        batch_size, progress: as in ``attribute``.
+        batch_size, progress, fast: as in ``attribute``.
         tolerance: a relative tolerance replacing the derived bound: ``tolerance * max(1, |score|)``.
+        dictionaries, sources, check, reduce, blocking: refused, each with its reason
+            (``dla_recipes.question.REFUSED``).
 
     Returns:
         A ``ScoreAttribution``: ``values [batch, keys, components, components]``, ``constant`` and ``score``
         ``[batch, keys]`` with ``values.sum((-2, -1)) + constant == score`` (the model's own, before any soft-cap).
     """
-    if by not in ("block", "head"):
-        raise InputError(f"by={by!r}: attribute_scores splits by 'block' or 'head' (upstream heads)")
-    prompts, batch_size, tolerance = check_call(prompts, by, batch_size, tolerance, remote)
+    question = ask("attribute_scores", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
+                   check=check, tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking,
+                   batch_size=batch_size, progress=progress, fast=fast)
+    if question.by not in ("block", "head"):
+        raise InputError(f"by={by!r}: attribute_scores splits by 'block' or 'head' (upstream heads): a score is "
+                         "[components x components] pairs, and neurons or sources on both sides are too many pairs")
+    return score_logits(model, prompts, Score(head, query, keys), question)
+
+
+class Score(NamedTuple):
+    """What ``attribute_scores`` attributes: ``head``'s pre-softmax score of ``query`` against each of ``keys``."""
+
+    head: str
+    query: object = -1
+    keys: object = (0,)
+
+
+def score_logits(model, prompts, asked: Score, question: Question) -> ScoreAttribution:
+    """``attribute_scores``'s work, from its checked ``question``."""
+    head, query, keys = asked.head, asked.query, asked.keys
+    prompts = check_prompts(prompts)
+    tolerance = question.tolerance
     keys = [keys] if isinstance(keys, int) else list(keys)
     if not keys:
         raise InputError("keys=[]: give at least one key position")
-    model = as_standardized(model)
-    plan = build_plan(model)
-    spec = score_spec(model, plan, head, by)
+    model, plan = planned(model, question)
+    spec = score_spec(model, plan, head, question.by)
     ids = token_ids(model, plan, prompts, every=True)  # each prompt's own length, whatever the padding
     lengths = [len(i) for i in ids] if ids is not None else [0] * len(prompts)  # no tokenizer: prepare raises
     queries = [own_positions(query, n, "query", b) for b, n in enumerate(lengths)]
@@ -82,7 +108,7 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
         if after:
             raise InputError(f"keys={keys}: prompt {b}'s key position(s) {after} come after its query ({q}): a "
                              "causal head attends only to earlier positions")
-    run_groups = groups(model, plan, prompts, batch_size, ids)
+    run_groups = groups(model, plan, prompts, question.batch_size, ids)
     unpadded = None if plan.family.padding_safe else ids  # padding-unsafe: each batch is these ids, unpadded
     batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, query, rows=g,
                             ids=None if unpadded is None else [unpadded[i] for i in g]) for g in run_groups)
@@ -91,7 +117,9 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
         start = offsets(batch)  # [n]: where each prompt's own tokens start
         k_positions = torch.tensor([own_keys[i] for i in g], dtype=torch.long) + start[:, None]
         calls.append(ScoreCall(plan, spec, batch.positions, k_positions))
-    ran = run_batches(model, plan, batches, tuple(calls), remote=remote, progress=progress, desc=f"scores of {head}")
+    ran = run_batches(model, plan, batches, tuple(calls), remote=question.remote, progress=question.progress,
+                      intervene=question.intervene,
+                      desc=f"scores of {head}")
     if ran.error is not None:
         raise ran.error
     order = [i for g in run_groups for i in g]

@@ -138,6 +138,9 @@ def _make_wrapper(name: str, function):
     return recorded
 
 
+INNER = {"attribute": ("api", "attribute_logits"), "attribute_direction": ("direction", "direction_logits")}
+
+
 def _install_recorder(path: str) -> _Recorder:
     """Patch the entry points: on ``dla_recipes``, on every loaded ``dla_recipes.*`` module that holds the same
     function (so ``from dla_recipes import attribute`` anywhere gets the wrapper, and so do internal calls), and
@@ -149,6 +152,11 @@ def _install_recorder(path: str) -> _Recorder:
     wrapped = {}
     for name in ("attribute", "attribute_direction"):
         original = getattr(dla_recipes, name, None)
+        inner = INNER.get(name)  # a verb that hands its checked question to one function: record that one, as
+        # every verb's internal calls go through it (a record lines up with one made before the question record)
+        home = sys.modules.get(f"dla_recipes.{inner[0]}") if inner else None
+        if home is not None and hasattr(home, inner[1]):
+            original = getattr(home, inner[1])
         if original is not None and not getattr(original, "dla_recorded", False):
             wrapped[id(original)] = _make_wrapper(name, original)
     for module_name, module in list(sys.modules.items()):
@@ -160,6 +168,8 @@ def _install_recorder(path: str) -> _Recorder:
     for home in ("api", "in_trace"):  # the pre-redesign homes, if still there (getattr: modules move)
         module = getattr(dla_recipes, home, None)
         for name in ("attribute", "attribute_direction"):
+            if INNER.get(name) and hasattr(sys.modules.get(f"dla_recipes.{INNER[name][0]}"), INNER[name][1]):
+                continue  # recorded where the verb hands over its question
             original = getattr(module, name, None) if module is not None else None
             if original is not None and not getattr(original, "dla_recorded", False):
                 setattr(module, name, _make_wrapper(name, original))

@@ -302,7 +302,7 @@ STAGES: dict[str, tuple[str, ...]] = {
                       "result", "face"),
     "testing": GROUND + ("face", "features", "loading"),  # features, loading: the docs' SAE (testing.dictionaries)
 }
-FACE = ("api", "in_trace", "datasets", "generation", "scores", "__main__")
+FACE = ("api", "direction", "question", "in_trace", "datasets", "generation", "scores", "__main__")
 
 
 def stage_of(name: str, package: str = PACKAGE) -> str:

@@ -210,7 +210,7 @@ def test_one_value_for_every_row_keywords_and_token_ids(model, tmp_path):
 
 def test_a_remote_failure_keeps_the_finished_chunks_and_says_how_to_resume(model, tmp_path, monkeypatch):
     whole = run(model, ROWS, tmp_path, "whole.parquet")
-    real, calls = dla_datasets.attribute, []
+    real, calls = dla_datasets.attribute_logits, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -218,7 +218,7 @@ def test_a_remote_failure_keeps_the_finished_chunks_and_says_how_to_resume(model
             raise RemoteError("request failed") from ConnectionError("server restarting")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dla_datasets, "attribute", flaky)
+    monkeypatch.setattr(dla_datasets, "attribute_logits", flaky)
     with pytest.raises(RemoteBatchError, match="attribute_dataset again with the same out=") as info:
         run(model, ROWS, tmp_path, "flaky.parquet")
     error = info.value
@@ -237,7 +237,8 @@ def by_hand(frame, labels):
 
 def test_stats_over_chunks_are_the_rows_statistics_and_one_call(model, tmp_path):
     stats = dla_recipes.attribute_dataset(model, iter(ROWS), target="answer", contrast="foil", by="head",
-                                          reduce="stats", replicates=64, seed=3, batch_size=BATCH, progress=False)
+                                          reduce=dla_recipes.Stats(replicates=64, seed=3), batch_size=BATCH,
+                                          progress=False)
     frame = run(model, ROWS, tmp_path, by="head")
     labels = components(frame)
     assert list(stats.labels) == labels and stats.n == len(ROWS)
@@ -252,7 +253,7 @@ def test_stats_over_chunks_are_the_rows_statistics_and_one_call(model, tmp_path)
     assert torch.equal(stats.weight, one.weight)  # the same Poisson weights: sample indices follow the data's rows
     for name in ("mean", "m2", "boot", "flip", "positive"):
         assert torch.equal(getattr(stats, name), getattr(one, name)), name
-    with pytest.raises(InputError, match="options of reduce='stats'"):
+    with pytest.raises(TypeError, match="replicates"):  # Stats' fields are Stats(...)'s: no option swallows them
         dla_recipes.attribute_dataset(model, ROWS, target="answer", replicates=8)
 
 

@@ -4,10 +4,10 @@ A fast path is work skipped or shared because it cannot change the answer: the p
 ``prepare(ids=)``), a tokenizer's answers kept (``transport.sites.remembered``), the ``logits_to_keep`` signature
 check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``), each
 norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``), what depends only on
-the weights and the targets kept from an earlier call (``transport.reuse.REUSE``: the head, every term's direction,
+the weights and the targets kept from an earlier call (``Fast.reuse``: the head, every term's direction,
 the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
-(``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``trace.plain.LANE``), a
-call's batches and layout kept for the same question asked again (``transport.memo.MEMO``). Each is
+(``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``Fast.lane``), a
+call's batches and layout kept for the same question asked again (``Fast.memo``). Each is
 switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant, the
 model's own logit (the head runs on the same positions either way) and the self-check's bound and split rounding.
 The fast side calls twice, so that its second call takes the record the first one left whole; in float32 on every
@@ -31,7 +31,7 @@ from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
 from dla_recipes.trace import plain, recipe
-from dla_recipes.transport import batches, memo, reuse, session
+from dla_recipes.transport import batches, session
 
 # Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
 # padding-unsafe ones group prompts of one length: the same single batch), one target at every site.
@@ -47,15 +47,15 @@ def slow_paths(monkeypatch) -> None:
     monkeypatch.setattr(batches, "remembered", lambda tokenizer, key, compute: compute())
     monkeypatch.setattr(session, "keeps_logits",
                         lambda model: "logits_to_keep" in inspect.signature(model._module.forward).parameters)
-    monkeypatch.setattr(reuse, "REUSE", False)  # every call makes what depends on the weights and targets anew
     monkeypatch.setattr(recipe, "DEFER_SITES", 0)  # every block scored right after its reads
-    monkeypatch.setattr(memo, "MEMO", False)  # every call checks, tokenizes and places its prompts anew
-    monkeypatch.setattr(plain, "LANE", False)  # every small call scored term by term (trace.terms)
     build_plan.cache_clear()
 
 
-def call(model, by: str):
-    return dla_recipes.attribute(model, PROMPTS, "w20", position="all", by=by)
+def call(model, by: str, fast=True):
+    """``fast=False``: the per-call fast paths off too (``question.Fast``: no record reused, no batches kept, no
+    lane: every call makes what depends on the weights and targets anew, prepares its prompts anew and scores each
+    term on its own)."""
+    return dla_recipes.attribute(model, PROMPTS, "w20", position="all", by=by, fast=fast)
 
 
 def same_with_and_without(model, family: str, monkeypatch, granularities=SPLITS) -> None:
@@ -66,7 +66,7 @@ def same_with_and_without(model, family: str, monkeypatch, granularities=SPLITS)
         fast[by] = call(model, by).sites
     slow_paths(monkeypatch)
     for by in granularities:
-        slow = call(model, by).sites
+        slow = call(model, by, fast=False).sites
         for field in ("values", "constant", "logit", "output_logit"):
             a, b = getattr(fast[by], field), getattr(slow, field)
             assert torch.equal(a, b), (family, by, field, float((a - b).abs().max()))

@@ -18,6 +18,7 @@ from conftest import CONTRAST, PROMPTS, TARGET, assert_parts_are_the_models
 
 import dla_recipes
 from dla_recipes.plan import build_plan
+from dla_recipes.question import Fast
 from dla_recipes.testing import tiny
 from dla_recipes.transport import memo, spacing
 
@@ -49,9 +50,7 @@ def kept(model) -> dict:
 
 def fresh(model, monkeypatch, *args, **kwargs):
     """The same call prepared anew, nothing kept."""
-    with monkeypatch.context() as patch:
-        patch.setattr(memo, "MEMO", False)
-        return dla_recipes.attribute(model, *args, **kwargs)
+    return dla_recipes.attribute(model, *args, fast=Fast(memo=False), **kwargs)
 
 
 def same(a, b) -> None:

@@ -16,6 +16,7 @@ import dla_recipes
 from dla_recipes import RemoteError
 from dla_recipes.testing import tiny
 from dla_recipes.testing.loopback import free_port
+from dla_recipes.trace.reading import Where
 from dla_recipes.transport import reuse
 
 pytestmark = pytest.mark.server
@@ -140,7 +141,7 @@ def test_server_side_exception(server):
     with server.client(), pytest.raises(RemoteError, match=r"failed on the NDIF server at .*: IndexError: index "
                                         r"(999 is out of bounds|out of range in self)"):
         plan = dla_recipes.plan.build_plan(model)
-        call = dla_recipes.trace.LogitCall(plan, batch.positions, batch.targets, None, "block")
+        call = dla_recipes.trace.LogitCall(plan, Where(batch.positions, batch.rows), batch.targets)
         run_trace(model, plan, batch, call, remote=True)
 
 

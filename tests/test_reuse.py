@@ -4,7 +4,7 @@ call that takes one gives the numbers a call without it gives, bit for bit.
 What depends only on the weights and the targets (the head, every term's direction, the pull-backs through ``W_O``
 and ``W_down``) is kept per model, keyed on the host by the targets and a stamp of every parameter. Each test edits or
 changes what the key must see, then compares ``torch.equal`` against the same call with nothing reused
-(``REUSE = False``): another target, a weight edited in place, a parameter replaced, a weight edited through
+(``fast=Fast(reuse=False)``): another target, a weight edited in place, a parameter replaced, a weight edited through
 ``.data`` (which no stamp sees: the self-check fails and the call runs again without the record), a record past its
 byte budget; and a call that edits the forward pass takes none (a remote call neither: ``test_remote.py``). ``Reuse.forget`` is watched: it runs
 only when a record had gone stale unseen, so a key that let another target's record through would show there (the
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dla_recipes
+from dla_recipes.question import Fast
 from dla_recipes.testing import tiny
 from dla_recipes.transport import reuse
 
@@ -49,9 +50,7 @@ def attribute(model, target="w20", by="head", **kwargs):
 
 def fresh(model, monkeypatch, target="w20", by="head", **kwargs):
     """The same call with nothing reused (every record made anew, none kept)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(reuse, "REUSE", False)
-        return attribute(model, target, by, **kwargs)
+    return attribute(model, target, by, fast=Fast(reuse=False), **kwargs)
 
 
 def same(a, b) -> None:

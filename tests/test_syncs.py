@@ -164,11 +164,12 @@ def test_scores_never_wait_for_the_device_inside_the_forward(family, by):
 def test_the_counter_catches_a_planted_wait(monkeypatch):
     """A ``float()`` of a device value and a ``.to(device)`` of a host index right after a block's reads (before the
     next block runs) are counted, with the line that made them (so the test above can fail)."""
-    from dla_recipes.trace import plain, recipe
+    from dla_recipes.question import Fast
+    from dla_recipes.trace import recipe
 
-    monkeypatch.setattr(plain, "LANE", False)  # the general way, whose block reads the wait is planted after
+    general = Fast(lane=False)  # the general way, whose block reads the wait is planted after
     model = bf16_model("llama")
-    counted(model, by="head")
+    counted(model, by="head", fast=general)
     original = recipe.layer_reads  # every block's reads, in forward order (decompose calls it by this name)
 
     def planted(*args, **kwargs):
@@ -180,7 +181,7 @@ def test_the_counter_catches_a_planted_wait(monkeypatch):
         return block
 
     monkeypatch.setattr(recipe, "layer_reads", planted)
-    _, traces = counted(model, by="head")
+    _, traces = counted(model, by="head", fast=general)
     found = waits(traces[0])
     terms_read = 2 * len(model.layers)  # attention and MLP of every block, each read once
     assert sum(call == "__float__" and where.startswith("dla_recipes/trace/recipe.py") for _, where, call in found) \

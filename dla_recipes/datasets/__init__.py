@@ -20,14 +20,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from ..api import attribute
-from ..args import check_batch_size
+from ..api import Logits, attribute_logits
+from ..args import Check, Granularity
 from ..errors import InputError
 from ..generation import KEYWORDS, for_rows
 from ..loading.load import as_standardized
 from ..plan import build_plan
 from ..present import parquet
 from ..present.stats import Stats
+from ..question import Question, ask
 from . import rows as data_rows
 from .rows import Column, Same
 from .stream import Bar, RowsSink, StatsSink, Stream, difference_stats, last_prompt, load_stats
@@ -51,10 +52,11 @@ class Versus:
     model: object = KEEP
 
 
-def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast=None, by="block", position=-1,
-                      reduce=None, out=None, batch_size: int = 32, remote=False, progress: bool | None = None,
-                      intervene=None, tolerance: float | None = None, compare=None, generate: dict | None = None,
-                      dictionaries=None, **stats):
+def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast=None, position=-1,
+                      generate: dict | None = None, by: Granularity = "block", dictionaries: dict | None = None,
+                      sources: dict | None = None, intervene=None, check: Check = "logit",
+                      tolerance: float | None = None, reduce=None, compare=None, out=None, remote=False,
+                      blocking: bool = True, batch_size: int | None = None, progress: bool | None = None, fast=True):
     """Attribute every row of ``data``: its ``prompt`` column's prompt, its target (minus its contrast), in chunks
     of ``batch_size`` rows, one ``attribute`` call a chunk (one forward pass; ``remote``: one request).
 
@@ -67,10 +69,12 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
             ``Same(" Paris")`` for a token string (a plain string names a column; ``Column("next")`` reads a
             column named like the keyword).
         contrast: as ``target`` (its keyword: ``"mean"``); default none.
-        by, position, remote, intervene, tolerance, dictionaries: as in ``attribute``.
+        by, position, dictionaries, sources, intervene, check, tolerance, remote, fast: as in ``attribute``
+            (with ``generate``: as in ``attribute_generation``).
         reduce: ``None`` (one row a prompt, or a site with several positions), ``"sum"`` (each prompt's positions
             summed, as ``attribute``), ``"stats"`` or a ``Stats(replicates=, seed=)`` (``attribute(...,
-            reduce="stats")`` a chunk, merged exactly: an ``AttributionStats``; ``**stats``: ``Stats``' fields).
+            reduce="stats")`` a chunk, merged exactly: an ``AttributionStats``).
+        blocking: refused unless True: the chunks run one after another, each written before the next.
         generate: ``dict(max_new_tokens=8, ...)`` (and transformers ``generate`` options, ``seed``): attribute
             each row's own generated answer instead of a target (``attribute_generation``: every generated step a
             site; ``contrast`` may be ``"runner-up"``); ``target`` and ``position`` are then not read.
@@ -82,7 +86,7 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
             directory an earlier call wrote is resumed (its rows skipped) when the call is the same (model, by,
             position, reduce, columns, contrast, edit), else an ``InputError``. Without ``out`` the rows come back
             as one ``Attribution`` / ``PositionAttribution`` (fine for data that fits in memory).
-        batch_size: rows a chunk (and a forward pass).
+        batch_size: rows a chunk (and a forward pass); None: 32.
         progress: a progress bar of prompts (their rate, the time left when the size is known); default: when
             there is more than one chunk.
 
@@ -93,19 +97,27 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
             the parts in ``out``, or ``.partial`` the statistics so far), the message says how to go on, and,
             the failure being transient, ``.resume()`` attributes the failed chunk again and goes on.
     """
-    stats_record = stats_of(reduce, stats)
-    if stats_record is None and reduce not in (None, "sum"):
-        raise InputError(f"reduce={reduce!r}: use None (one row a prompt), 'sum' (each prompt's positions summed), "
-                         "'stats' or dla_recipes.Stats(...) (statistics over the rows)")
-    if batch_size is None:
-        raise InputError("batch_size=None: attribute_dataset reads the data in chunks of batch_size rows; give an int")
-    batch_size = check_batch_size(batch_size)
+    question = ask("attribute_dataset", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
+                   check=check, tolerance=tolerance, reduce=reduce, compare=compare, remote=remote, blocking=blocking,
+                   batch_size=CHUNK if batch_size is None else batch_size, progress=progress, fast=fast)
+    q = question
+    stats_record = q.stats
+    for name in ("start", "paired"):
+        if stats_record is not None and getattr(stats_record, name) != getattr(Stats(), name):
+            raise InputError(f"Stats({name}=...) is attribute_dataset's to set (each chunk's first row; compare=)")
+    if not q.blocking:
+        raise InputError("blocking=False: attribute_dataset runs its chunks one after another (each written before "
+                         "the next): run it blocking; out= keeps what finished, and a call again resumes")
+    batch_size = q.batch_size
     if not isinstance(prompt, (str, Column)):
         raise InputError(f"prompt={prompt!r}: give the name of the column holding the prompts")
     versus = Versus(prompt=compare) if isinstance(compare, (str, Column)) else compare
     if versus is not None and (not isinstance(versus, Versus) or stats_record is None):
         raise InputError(f"compare={compare!r}: give Versus(prompt=..., intervene=..., model=...) or a column name, "
                          "with reduce='stats' (the statistics of the per-prompt differences)")
+    if generate is not None and not (isinstance(position, int) and position == -1):
+        raise InputError(f"position={position!r} with generate=: each row's generated answer is attributed at its "
+                         "own positions; drop position=")
     if generate is not None and versus is not None:
         raise InputError("compare= with generate=: the two conditions would generate different answers; attribute "
                          "each with its own attribute_dataset call")
@@ -116,28 +128,24 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
         specs["versus"] = data_rows.spec(versus.prompt, "compare")
     src = data_rows.source(data)
     model = as_standardized(model)
-    call = {"by": by, "position": position, "remote": remote, "intervene": intervene, "tolerance": tolerance}
-    verb = attribute if generate is None else for_rows(generate)
-    if dictionaries is not None:  # features (dla_recipes.features): named in out='s record by key and width
-        call["dictionaries"] = dictionaries
+    call = Call(q.but(compare=None), position, None if generate is None else for_rows(generate))
     if stats_record is None and out is None:  # everything in memory: one attribute call, batched as attribute does
         chunks = list(data_rows.chunks(src, batch_size, specs))
         if not chunks:
             raise InputError("the data has no rows")
         whole = data_rows.Chunk(*([v for c in chunks for v in getattr(c, f)] for f in ("rows", "prompts", "targets",
                                                                                       "contrasts")))
-        return verb(model, whole.prompts, **values_of(whole, specs), batch_size=batch_size, progress=progress,
-                    reduce=reduce, **call)
+        return call.run(model, whole, specs, None)
     meta = meta_of(model, specs, call, repr(stats_record) if stats_record is not None else reduce, versus)
     parts = None if out is None else parquet.Parts(out)
     if parts is not None:
         parts.start(meta)
 
     def attribute_chunk(chunk, how):  # how: the chunk's Stats, or None for the rows (reduce None or "sum")
+        one = call.but(batch_size=len(chunk.prompts), progress=False, reduce=q.reduce if how is None else how)
         if generate is not None:
-            return verb(model, chunk.prompts, **values_of(chunk, specs), batch_size=len(chunk.prompts),
-                        progress=False, reduce=reduce if how is None else how, **call)
-        return attribute_rows(model, chunk, specs, call, reduce if how is None else how, versus)
+            return one.run(model, chunk, specs, None)
+        return one.run(model, chunk, specs, versus)
 
     if stats_record is None:
         done = parts.done()
@@ -152,36 +160,41 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     return Stream(data_rows.chunks(src, batch_size, specs, skip=done), sink, bar, out).go()
 
 
-def stats_of(reduce, options) -> Stats | None:
-    """``reduce`` as a ``Stats`` record (``"stats"`` with ``options``: ``Stats(**options)``), or None."""
-    if options and not (isinstance(reduce, str) and reduce == "stats"):
-        raise InputError(f"{', '.join(sorted(options))}: options of reduce='stats' (or give reduce=Stats(...))")
-    for name in ("start", "paired"):
-        if name in options or isinstance(reduce, Stats) and getattr(reduce, name) != getattr(Stats(), name):
-            raise InputError(f"Stats({name}=...) is attribute_dataset's to set (each chunk's first row; compare=)")
-    if isinstance(reduce, Stats):
-        return reduce
-    if isinstance(reduce, str) and reduce == "stats":
-        return Stats(**options)
-    return None
+CHUNK = 32  # rows a chunk when batch_size is None
 
 
-def attribute_rows(model, chunk, specs, call, stats, versus):
-    """One chunk's ``attribute`` call (``stats``: its ``Stats``, or ``reduce`` for the rows); with ``versus``, the
-    second condition too (a second prompt column: one paired call; another edit or model: two calls, their
-    per-site differences reduced here)."""
-    values, n = values_of(chunk, specs), len(chunk.prompts)
-    if versus is None:
-        return attribute(model, chunk.prompts, **values, batch_size=n, progress=False, reduce=stats, **call)
-    if versus.prompt is not KEEP:  # clean + corrupted, paired in the trace
-        doubled = {k: v + v if isinstance(v, list) else v for k, v in values.items()}
-        return attribute(model, chunk.prompts + chunk.versus, **doubled, batch_size=2 * n, progress=False,
-                         reduce=replace(stats, paired=True), **call)
-    first = attribute(model, chunk.prompts, **values, batch_size=n, progress=False, **call)
-    other = {**call, **({} if versus.intervene is KEEP else {"intervene": versus.intervene})}
-    second_model = model if versus.model is KEEP else as_standardized(versus.model)
-    second = attribute(second_model, chunk.prompts, **values, batch_size=n, progress=False, **other)
-    return difference_stats(first, second, chunk.rows, stats)
+@dataclass(frozen=True)
+class Call:
+    """One chunk's call: the dataset's ``question`` (its ``batch_size`` the chunk's), the ``position`` attributed,
+    and ``generate`` (``generation.for_rows``'s call, or None: each row's target)."""
+
+    question: Question
+    position: object
+    generate: object = None
+
+    def but(self, **changes) -> Call:
+        """This call with the question's ``changes`` (a chunk's size, its ``Stats``)."""
+        return replace(self, question=self.question.but(**changes))
+
+    def run(self, model, chunk, specs, versus=None):
+        """One chunk attributed (``versus``: the second condition too: a second prompt column, one paired call;
+        another edit or model, two calls, their per-site differences reduced here)."""
+        q, values = self.question, values_of(chunk, specs)
+        if self.generate is not None:
+            return self.generate(model, chunk.prompts, values["contrast"], q)
+        logits = Logits(values["target"], values["contrast"], self.position)
+        if versus is None:
+            return attribute_logits(model, chunk.prompts, logits, q)
+        n, stats = len(chunk.prompts), q.stats
+        if versus.prompt is not KEEP:  # clean + corrupted, paired in the trace
+            doubled = Logits(*(v + v if isinstance(v, list) else v for v in logits[:2]), self.position)
+            return attribute_logits(model, chunk.prompts + chunk.versus, doubled,
+                                    q.but(batch_size=2 * n, reduce=replace(stats, paired=True)))
+        first = attribute_logits(model, chunk.prompts, logits, q.but(reduce=None))
+        other = q.but(reduce=None) if versus.intervene is KEEP else q.but(reduce=None, intervene=versus.intervene)
+        second_model = model if versus.model is KEEP else as_standardized(versus.model)
+        second = attribute_logits(second_model, chunk.prompts, logits, other)
+        return difference_stats(first, second, chunk.rows, stats)
 
 
 def values_of(chunk, specs) -> dict:
@@ -209,16 +222,19 @@ def identity(model) -> str:
 
 def meta_of(model, specs, call, reduce, versus=None) -> dict:
     """What ``out=``'s ``_dla_recipes.json`` records of the call (a resumed call must match all of it)."""
-    edit = call["intervene"]
+    q = call.question
+    edit = q.intervene
     if versus is not None:
         versus = {"prompt": None if versus.prompt is KEEP else describe(specs["versus"]),
                   "intervene": None if versus.intervene is KEEP else name_of(versus.intervene),
                   "model": None if versus.model is KEEP else identity(as_standardized(versus.model))}
-    return {"versus": versus, "model": identity(model), "by": call["by"], "position": repr(call["position"]), "reduce": reduce,
+    return {"versus": versus, "model": identity(model), "by": q.by, "position": repr(call.position), "reduce": reduce,
             "prompt": describe(specs["prompt"]), "target": describe(specs["target"]),
             "contrast": describe(specs["contrast"]),
-            "intervene": name_of(edit), "labels": None} | ({} if "dictionaries" not in call else {"dictionaries": {
-                key: list(d.W_dec.shape) for key, d in call["dictionaries"].items()}})
+            "intervene": name_of(edit), "labels": None} | ({} if q.dictionaries is None else {"dictionaries": {
+                key: list(d.W_dec.shape) for key, d in q.dictionaries.items()}}) | (
+                {} if q.check == "logit" else {"check": q.check}) | ({} if q.sources is None else {
+                    "sources": repr(dict(q.sources))})
 
 
 def name_of(edit) -> str | None:

@@ -19,22 +19,21 @@ logits (KV cache, one token at a time) and the teacher-forced pass's differ by r
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
-from ..api import attribute
-from ..args import check_batch_size, check_granularity, check_remote, check_tolerance
+from ..api import Logits, attribute_logits, planned
+from ..args import Check, Granularity
 from ..errors import InputError
-from ..loading.load import as_standardized
-from ..plan import build_plan
 from ..present.positions import PositionAttribution
-from ..present.stats import as_stats
+from ..question import Question, ask
 from ..transport.batches import resolve_token
 from .inputs import Settings, check_settings, prompt_ids, raise_all
 from .result import Generation, GenerationAttribution
 from .run import Generated, contrast_grid, forced
 from .run import generate as run_generation
-from .session import generate_and_attribute
+from .session import Asked, generate_and_attribute
 
 __all__ = ["Generation", "GenerationAttribution", "Settings", "attribute_generation"]
 
@@ -42,9 +41,11 @@ KEYWORDS = ("runner-up", "mean")
 
 
 def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: dict | None = None,
-                         seed: int | None = None, contrast=None, by="block", remote=False,
-                         batch_size: int | None = None, progress: bool | None = None, tolerance: float | None = None,
-                         reduce=None, position=None):
+                         seed: int | None = None, contrast=None, position=None, by: Granularity = "block",
+                         dictionaries: dict | None = None, sources: dict | None = None, intervene=None,
+                         check: Check = "logit", tolerance: float | None = None, reduce=None, remote=False,
+                         blocking: bool = True, batch_size: int | None = None, progress: bool | None = None,
+                         fast=True):
     """Generate each prompt's answer and attribute every generated token's logit (minus ``contrast``) to the
     model's components, at the position that predicted it.
 
@@ -61,61 +62,86 @@ def attribute_generation(model, prompts, max_new_tokens: int = 32, *, generate: 
         contrast: ``None``; ``"runner-up"`` (at each step the most likely token other than the generated one, read
             from the generation's own logits, ties to the lowest id); ``"mean"``; a token (string or id) for every
             step; or one per step, a list per prompt (``[batch][>= A_b]`` tokens).
-        by, remote, batch_size, progress, tolerance: as in ``attribute`` (the generation runs in batches too).
+        position: not taken (refused with the fix named): each generated token is attributed at its own position.
+        by, dictionaries, sources, check, tolerance, remote, batch_size, progress, fast: as in ``attribute`` (the
+            generation runs in batches too; ``dictionaries``: which latents wrote each generated token).
+        intervene: ``fn(model)`` as in ``attribute``, applied to the generation too: the answer is the EDITED
+            model's, and its teacher-forced attribution is of the same edited forward pass. The edit runs at every
+            generation step over the whole prefix (no KV cache) and each prompt runs alone (no padding), so an
+            edit that indexes positions edits the same absolute positions at every step and in the teacher-forced
+            pass (``batch_size`` is then 1).
         reduce: ``None``; ``"sum"`` (an answer's steps summed: one row a prompt); ``"stats"`` / ``Stats(...)``
             (statistics over every generated step of every prompt: an ``AttributionStats``, no answers kept).
-        position: not taken (refused with the fix named): each generated token is attributed at its own position.
+        blocking: refused unless True: the answer must come back before its teacher-forced pass is built.
 
     Returns:
         A ``GenerationAttribution`` (``reduce="sum"``: an ``Attribution``, ``"stats"``: an ``AttributionStats``).
         Raises ``ExactnessError`` when the parts do not sum to the teacher-forced pass's own logit.
     """
-    check_granularity(by)
-    check_remote(remote)
-    batch_size, tolerance = check_batch_size(batch_size), check_tolerance(tolerance)
-    model = as_standardized(model)
-    plan = build_plan(model)
+    question = ask("attribute_generation", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
+                   check=check, tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking,
+                   batch_size=batch_size, progress=progress, fast=fast)
+    answer = Answer(max_new_tokens, generate, seed, contrast, position)
+    return generation_logits(model, prompts, answer, question)
+
+
+class Answer(NamedTuple):
+    """What ``attribute_generation`` attributes: each prompt's generated answer (``max_new_tokens``, the
+    ``generate`` options and ``seed``), each step minus ``contrast``; ``position`` (refused) as given."""
+
+    max_new_tokens: object = 32
+    generate: dict | None = None
+    seed: object = None
+    contrast: object = None
+    position: object = None
+
+
+def generation_logits(model, prompts, answer: Answer, question: Question):
+    """``attribute_generation``'s work, from its checked ``question`` (``attribute_dataset(generate=...)`` calls
+    it a chunk)."""
+    q, contrast = question, answer.contrast
+    if q.edits:  # each prompt alone: the edit indexes the same absolute positions in every pass
+        q = q.but(batch_size=1)
+    model, plan = planned(model, q)
     problems: list[str] = []
     ids, chat = prompt_ids(model.tokenizer, prompts, problems)
     config = getattr(getattr(model, "_module", None), "generation_config", None)
-    settings = check_settings(config, max_new_tokens, generate, seed, problems)
-    chosen = contrast_ids(model, contrast, len(ids), max_new_tokens, problems)
-    if position is not None:
-        problems.append(f"position={position!r}: attribute_generation attributes every generated token at the position "
-                        "that predicted it; drop position= (other positions of prompt + answer: attribute(model, "
-                        "prompt + answer ids, target, position=...))")
+    settings = check_settings(config, answer.max_new_tokens, answer.generate, answer.seed, problems)
+    chosen = contrast_ids(model, contrast, len(ids), answer.max_new_tokens, problems)
+    if answer.position is not None:
+        problems.append(f"position={answer.position!r}: attribute_generation attributes every generated token at "
+                        "the position that predicted it; drop position= (other positions of prompt + answer: "
+                        "attribute(model, prompt + answer ids, target, position=...))")
+    if not q.blocking:
+        problems.append("blocking=False: attribute_generation needs the answers back before it builds their "
+                        "teacher-forced pass; run it blocking (remote sessions still carry both)")
     raise_all(problems)
-    if remote and by != "source" and as_stats(reduce) is None:  # one NDIF session: generate, then attribute
-        generated, attr = generate_and_attribute(model, plan, ids, settings, chosen, contrast, by, remote, batch_size,
-                                                 tolerance, reduce)
+    if q.remote and q.by != "source" and q.stats is None and not q.edits:  # one NDIF session: generate, attribute
+        generated, attr = generate_and_attribute(model, plan, ids, Asked(settings, chosen, contrast), q)
         check_given(contrast, chosen, generated)
         return attr if not isinstance(attr, PositionAttribution) else with_generation(
             model, attr, generated, settings, contrast, chosen, chat)
-    generated = run_generation(model, plan, ids, settings, chosen, remote=remote, batch_size=batch_size)
+    generated = run_generation(model, plan, ids, settings, chosen, q)
     check_given(contrast, chosen, generated)
     sequences, spans = forced(generated.prompts, generated.answers)
     grid = contrast_grid(contrast, generated.answers, generated.runner_up, chosen)
-    attr = attribute(model, sequences, "next", contrast=grid, position=spans, by=by, remote=remote,
-                     batch_size=batch_size, progress=progress, tolerance=tolerance, reduce=reduce)
+    attr = attribute_logits(model, sequences, Logits("next", grid, spans), q)
     if not isinstance(attr, PositionAttribution):
         return attr
     return with_generation(model, attr, generated, settings, contrast, chosen, chat)
 
 
 def for_rows(generate: dict):
-    """``attribute_dataset(..., generate=dict(max_new_tokens=8, ...))``'s call a chunk: ``attribute``'s keywords
-    (its ``target`` is the answer, its ``position`` each answer's span) turned into ``attribute_generation``'s."""
+    """``attribute_dataset(..., generate=dict(max_new_tokens=8, ...))``'s call a chunk: ``(model, prompts,
+    contrast, question)`` attributed as ``attribute_generation`` attributes them (the target is each answer)."""
     if not isinstance(generate, dict):
         raise InputError(f"generate={generate!r}: give a dict, e.g. dict(max_new_tokens=8, do_sample=False)")
     options = dict(generate)
     max_new_tokens = options.pop("max_new_tokens", 32)
     seed = options.pop("seed", None)
 
-    def call(model, prompts, *, target=None, position=-1, intervene=None, **rest):
-        if intervene is not None or position != -1:
-            raise InputError("attribute_dataset(generate=...) attributes each row's generated answer at its own "
-                             "positions, with the plain model: drop position= and intervene=")
-        return attribute_generation(model, prompts, max_new_tokens, generate=options, seed=seed, **rest)
+    def call(model, prompts, contrast, question):
+        return generation_logits(model, prompts, Answer(max_new_tokens, options, seed, contrast), question)
 
     return call
 

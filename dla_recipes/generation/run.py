@@ -65,9 +65,13 @@ def left_padded(rows: list, pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tensor, remote) -> tuple:
-    """One ``model.generate`` trace of a padded group; ``step_readout``'s tensors (retried remotely as a trace)."""
-    kwargs = settings.kwargs()
+def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tensor, question) -> tuple:
+    """One ``model.generate`` trace of a padded group; ``step_readout``'s tensors (retried remotely as a trace).
+
+    ``question.intervene``: the edit runs at every step (``tracer.all()``), each step a forward pass over the whole
+    prefix (``use_cache=False``), so an edit that indexes positions edits the same ones at every step."""
+    remote, intervene = question.remote, question.intervene
+    kwargs = settings.kwargs() | ({} if intervene is None else {"use_cache": False})
     width = int(encoding["input_ids"].shape[1])
     options = {"remote": remote} if remote else {}
     if remote:
@@ -78,10 +82,20 @@ def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tens
             with torch.random.fork_rng(devices=_devices(model)):
                 if settings.seed is not None:
                     torch.manual_seed(settings.seed)
-                with torch.no_grad(), model.generate(dict(encoding), **kwargs, **options) as tracer:
-                    if remote and settings.seed is not None:  # the server's sampler, before the first step
-                        torch.manual_seed(settings.seed)
-                    out = nnsight.save(step_readout(tracer.result, width, chosen))
+                if intervene is None:
+                    with torch.no_grad(), model.generate(dict(encoding), **kwargs, **options) as tracer:
+                        if remote and settings.seed is not None:  # the server's sampler, before the first step
+                            torch.manual_seed(settings.seed)
+                        out = nnsight.save(step_readout(tracer.result, width, chosen))
+                else:
+                    with torch.no_grad(), model.generate(**kwargs, **options) as tracer:
+                        if remote and settings.seed is not None:
+                            torch.manual_seed(settings.seed)
+                        with tracer.invoke(dict(encoding)):
+                            for _ in tracer.all():  # the edit at every step of the generation
+                                intervene(model)
+                        with tracer.invoke():
+                            out = nnsight.save(step_readout(tracer.result, width, chosen))
             return out
         except Exception as error:
             if not remote:
@@ -115,15 +129,15 @@ def pad_id(model, settings: Settings) -> int:
     return pad if pad is not None else next(iter(sorted(eos_ids(model, settings))), 0)
 
 
-def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, remote=False,
-             batch_size: int | None = None) -> Generated:
+def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, question) -> Generated:
     """The answers of ``prompts`` (own ids ``[n][P_b]``); ``chosen``: per-step contrast ids ``[n][max_new_tokens]``
-    (None: no such contrast)."""
+    (None: no such contrast); ``question``: the call's ``Question`` (its ``remote``, ``batch_size`` and
+    ``intervene``)."""
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
     rows: list = [None] * len(prompts)
-    for group in groups(model, plan, prompts, batch_size, [list(p) for p in prompts]):
+    for group in groups(model, plan, prompts, question.batch_size, [list(p) for p in prompts]):
         encoding = left_padded([prompts[i] for i in group], pad)
-        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens), remote)
+        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens), question)
         for k, i in enumerate(group):
             rows[i] = row_of(out, k, stop)
     return collect(prompts, rows)

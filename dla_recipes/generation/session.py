@@ -13,12 +13,15 @@ the generation, then ``attribute``); one session holds every group (the NDIF job
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import nnsight
 import torch
 
-from ..result import assemble, layout_of, rows_of
+from ..result import Of, assemble, layout_of, rows_of
 from ..selfcheck import model_dtype
 from ..trace.calls import LogitCall
+from ..trace.reading import Reading, Where
 from ..transport.batches import groups, prepare
 from ..transport.remote import register_for_remote, retry_or_raise
 from ..transport.session import trace_options, unpack
@@ -46,13 +49,25 @@ def answer_batch(model, prompts, group, out: tuple, stop: set[int], contrast, ch
     return prepare(model, sequences, "next", grid, spans, rows=group)
 
 
-def call_of(plan, batch, by: str) -> LogitCall:
-    return LogitCall(plan, batch.positions, batch.targets, None, by, None, None, False, batch.rows)
+class Asked(NamedTuple):
+    """What the session generates and contrasts: the ``Settings``, per-step contrast ids (or None) and the
+    ``contrast`` as given."""
+
+    settings: Settings
+    chosen: list | None
+    contrast: object
 
 
-def generate_and_attribute(model, plan, prompts: list, settings: Settings, chosen: list | None, contrast, by: str,
-                           remote, batch_size: int | None, tolerance: float | None, reduce):
-    """``(Generated, the assembled attribution)`` of one NDIF session (see the module docstring)."""
+def call_of(plan, batch, reading: Reading) -> LogitCall:
+    return LogitCall(plan, Where(batch.positions, batch.rows), batch.targets, reading=reading)
+
+
+def generate_and_attribute(model, plan, prompts: list, asked: Asked, question):
+    """``(Generated, the assembled attribution)`` of one NDIF session (see the module docstring); ``question``: the
+    call's ``Question`` (its granularity, dictionaries, check, tolerance, reduce, remote and batch size)."""
+    settings, chosen, contrast, q = asked.settings, asked.chosen, asked.contrast, question
+    reading = Reading(q.by, None, False, q.check, q.fast.lane)
+    remote, batch_size = q.remote, q.batch_size
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
     run_groups = groups(model, plan, prompts, batch_size, [list(p) for p in prompts])
     work = [(g, left_padded([prompts[i] for i in g], pad), chosen_ids(chosen, g, settings.max_new_tokens))
@@ -71,7 +86,7 @@ def generate_and_attribute(model, plan, prompts: list, settings: Settings, chose
                         out = step_readout(tracer.result, int(encoding["input_ids"].shape[1]), ids)
                     batch = answer_batch(model, prompts, group, out, stop, contrast, chosen)
                     with model.trace(dict(batch.encoding), **trace_options(model, plan, batch)):
-                        packed = call_of(plan, batch, by).run(model).pack()
+                        packed = call_of(plan, batch, reading).run(model).pack()
                     results.append((out, packed))
                 results = nnsight.save(results)
             break
@@ -82,10 +97,10 @@ def generate_and_attribute(model, plan, prompts: list, settings: Settings, chose
     for (group, _, _), (out, packed) in zip(work, results):
         batch = answer_batch(model, prompts, group, out, stop, contrast, chosen)
         batches.append(batch)
-        readouts.append(unpack(call_of(plan, batch, by), packed))
+        readouts.append(unpack(call_of(plan, batch, reading), packed))
         for k, i in enumerate(group):
             rows[i] = row_of(out, k, stop)
-    attr = assemble(plan, rows_of(batches), readouts, by, model_dtype(model), tolerance,
-                    order=[i for g in run_groups for i in g], layout=layout_of(batches, run_groups, model.tokenizer),
-                    reduce=reduce)
+    of = Of(plan, q.by, model_dtype(model), q.tolerance)
+    attr = assemble(of, rows_of(batches), readouts, [i for g in run_groups for i in g],
+                    layout_of(batches, run_groups, model.tokenizer), q.reduce)
     return collect(prompts, rows), attr

@@ -7,63 +7,69 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..args import Check, Granularity
-from ..plan.plan import Plan, Sources, Stop
+from ..plan.plan import Plan
 from . import sparse
 from .prepared import Prepared
+from .reading import Reading, Where
 from .readout import Readout
 from .recipe import direct_logit_attribution, direction_attribution
 
 
 @dataclass(frozen=True)
 class LogitCall:
-    """``direct_logit_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``."""
+    """``direct_logit_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``.
+
+    ``where``: the batch's sites (``Where``: positions, rows, offsets); ``targets`` ``[n]`` long token ids or a
+    ``LinearTarget``, ``contrasts`` ``[n]`` or None; ``reading``: what the trace reads (``Reading``); ``prepared``:
+    local calls only, an earlier call's record (``transport.reuse``)."""
 
     plan: Plan
-    positions: torch.Tensor
-    targets: object  # [n] long token ids, or a LinearTarget
-    contrasts: torch.Tensor | None
-    by: Granularity
-    sources: Sources | None = None
-    offsets: torch.Tensor | None = None
-    edits: bool = False
-    rows: torch.Tensor | None = None
-    check: Check = "logit"
-    prepared: Prepared | None = None  # local calls only: an earlier call's record (transport.reuse)
+    where: Where
+    targets: object
+    contrasts: torch.Tensor | None = None
+    reading: Reading = field(default_factory=Reading)
+    prepared: Prepared | None = None
 
     def run(self, model) -> Readout:
         """The attribution of this batch's logits, inside the running trace of ``model``."""
-        readout = direct_logit_attribution(model, self.plan, self.positions, self.targets, self.contrasts, self.by,
-                                           self.sources, self.offsets, self.edits, self.rows,
-                                           self.check, self.prepared)
-        return sparse.wired(readout, self.plan, self.by, self.sources, self.edits)  # only kept latents leave
+        r, w = self.reading, self.where
+        readout = direct_logit_attribution(model, self.plan, w.positions, self.targets, self.contrasts, r.by,
+                                           reading=r, rows=w.rows, offsets=w.offsets, prepared=self.prepared)
+        return sparse.wired(readout, self.plan, r.by, r.sources, r.edits)  # only kept latents leave
 
     def unpack(self, packed: torch.Tensor) -> Readout:
         """The ``Readout`` this call's ``pack()`` sent (dictionaries' latents scattered back: ``sparse.dense``)."""
-        return sparse.dense(packed, self.plan, self.by, self.sources, self.edits)
+        r = self.reading
+        return sparse.dense(packed, self.plan, r.by, r.sources, r.edits)
 
 
 @dataclass(frozen=True)
 class DirectionCall:
-    """``direction_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``."""
+    """``direction_attribution``'s arguments for one batch: what a trace computes, ``call.run(model)``.
+
+    ``where``: the sites and the stop (``Where``); ``direction`` ``[n, d_model]``; ``reads``: the norm's
+    ``Term.reads``; ``reading``: what the trace reads."""
 
     plan: Plan
-    positions: torch.Tensor
+    where: Where
     direction: torch.Tensor
-    stop: Stop
     reads: str
-    by: Granularity
-    rows: torch.Tensor | None = None
-    check: Check = "logit"
+    reading: Reading = field(default_factory=Reading)
 
     def run(self, model) -> Readout:
         """The attribution of this batch's direction, inside the running trace of ``model``."""
-        return direction_attribution(model, self.plan, self.positions, self.direction, self.stop, self.reads, self.by,
-                                     self.rows, self.check)
+        readout = direction_attribution(model, self.plan, self.where, self.direction, self.reads, self.reading)
+        r = self.reading
+        return sparse.wired(readout, self.plan, r.by, r.sources, r.edits, self.where.stop)
+
+    def unpack(self, packed: torch.Tensor) -> Readout:
+        """The ``Readout`` this call's ``pack()`` sent (dictionaries' latents scattered back: ``sparse.dense``)."""
+        r = self.reading
+        return sparse.dense(packed, self.plan, r.by, r.sources, r.edits, self.where.stop)
 
 
 @dataclass

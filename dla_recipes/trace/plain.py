@@ -7,7 +7,7 @@ direction, summed over its parts: a term read whole, its write dotted with the d
 neurons through one projection with no bias anywhere (``kinds.linear``, a ``bare`` mode), the projection's input
 times the direction pulled back onto it (``kinds.linear.static``), summed over each head's slice.
 
-``lane(model, plan, by, stop, per_layer, prepared, low)`` is that plan for one call (None where any term, or the
+``lane(model, plan, by, stop, per_layer, work)`` is that plan for one call (None where any term, or the
 call, is not of this kind: ``decompose`` then goes the general way, ``trace.terms``). ``decompose`` reads each term
 at the sites in forward order (``Lane.read``, the reads ``trace.terms.read_term`` makes) and, after the last block,
 ``Lane.score`` scores them all in one product per shape of term (whole terms, each block's heads, each block's
@@ -18,7 +18,7 @@ noise and each block's stream noise in the same few products (``Checks``).
 
 Each number is the same elementwise product, summed over the same contiguous last axis, as the general way's for
 the term alone (``terms.score_term``, ``math.rounding.stream_sumsq``), so the parts and every self-check field are
-the same bit for bit (``tests/test_fast_paths.py``, ``LANE = False``). A lane holds every read until the forward
+the same bit for bit (``tests/test_fast_paths.py``, ``fast=Fast(lane=False)``). A lane holds every read until the forward
 pass ends, so it runs only where the recipe defers its arithmetic (``trace.recipe.DEFER_SITES``: a small call).
 """
 
@@ -35,7 +35,6 @@ from .kinds import linear
 from .readers import Sites, at, read_site
 from .terms import projected, roundings, write_direction
 
-LANE = True  # False: every call goes the general way (tests/test_fast_paths.py)
 GRANULARITIES = ("block", "head", "neuron")
 # the stream's noise is taken a few blocks at once, in float64: at most this many rows of d_model widened at once
 # (sites x blocks; 1 MiB at d_model 4096), so no float64 copy grows with the depth times the sites
@@ -166,16 +165,17 @@ def plain_mode(planned: PlannedTerm, by: Granularity) -> tuple[bool, str | None]
     return plain, mode
 
 
-def lane(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list, prepared,
-         low: bool = False) -> Lane | None:
+def lane(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list, work) -> Lane | None:
     """The call's ``Lane``, or None where a term or the plan is not of the common case (module docstring);
-    ``per_layer``: ``terms.term_directions``'s, ``prepared``: the call's record (``trace.prepared``), which keeps
-    the lane (its directions stacked) for a later call with the same targets and weights; ``low``: the call
-    collects the model's own rounding (``math.rounding.Rounding``), so the lane holds its ``Checks``."""
-    if not LANE or by not in GRANULARITIES or plan.stream_dictionary is not None or plan.family.collapse is not None \
+    ``per_layer``: ``terms.term_directions``'s; ``work``: the call's ``recipe.Work``: its ``prepared`` record
+    (``trace.prepared``) keeps the lane (its directions stacked) for a later call with the same targets and
+    weights, and where it collects the model's own rounding (``work.rounding``, ``math.rounding.Rounding``) the
+    lane holds its ``Checks``. A call that may not take the lane (``Reading.lane`` False) does not ask."""
+    if by not in GRANULARITIES or plan.stream_dictionary is not None or plan.family.collapse is not None \
             or plan.family.layer_scale is not None:
         return None
-    return prepared.get(("lane", stop, by, low), lambda: made(model, plan, by, stop, per_layer, low), keep=True)
+    low = work.rounding is not None
+    return work.prepared.get(("lane", stop, by, low), lambda: made(model, plan, by, stop, per_layer, low), keep=True)
 
 
 def made(model, plan: Plan, by: Granularity, stop: Stop | None, per_layer: list, low: bool = False) -> Lane | None:

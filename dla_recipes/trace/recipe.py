@@ -42,15 +42,18 @@ functions by name (``dla_recipes.trace.direct_logit_attribution``): the module o
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..args import Check, Granularity, check_granularity
+from ..args import Granularity, check_granularity
+from ..errors import InputError
 from ..math.adds import AddCheck
 from ..math.frozen_norm import probe_norm
 from ..math.linalg import dot, exact, on
 from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
-from ..plan.plan import Plan, Sources, Stop
+from ..plan.plan import Plan
 from . import plain
 from . import targets as linear_targets
 from .adds import activations_dtype, checked_blocks, final_read, low_precision
@@ -61,6 +64,7 @@ from .kinds.sources import SourceSplit
 from .kinds.sources import prepare as prepare_sources
 from .prepared import Prepared
 from .readers import Sites, at, layer_input, layer_output, read_site
+from .reading import Reading, Where
 from .readout import Readout
 from .targets import as_target
 from .terms import layer_reads, layer_scores, term_directions
@@ -77,41 +81,52 @@ def scaled(scores: list, scale: torch.Tensor) -> list:
     return [s * scale.to(s.device).reshape(-1, *([1] * (s.dim() - 1))) for s in scores]
 
 
-def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tensor, by: Granularity,
-              stop: Stop | None = None, sources: Sources | None = None,
-              offsets: torch.Tensor | None = None,
-              rounding: Rounding | None = None, edits: bool = False,
-              patterns: list | None = None, rows: torch.Tensor | None = None, room: int = 0,
-              adds: AddCheck | None = None, prepared: Prepared | None = None) -> tuple[torch.Tensor, list[float], Sites]:
-    """``[n, n_components]``: every term written before ``stop`` at the sites, dotted with ``direction``
-    ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
-    A site is ``(rows[s], positions[s])``: a prompt of the batch and an index into the padded sequence (``rows``
-    None: one site per prompt). ``by="source"``: ``sources`` says which heads split into how many sources;
-    ``offsets`` ``[n]`` is where each site's prompt's own tokens start in the padded sequence.
+@dataclass
+class Work:
+    """What one call's ``decompose`` collects and keeps, besides its scores: ``prepared`` (the memo of what depends
+    only on the weights and the direction, ``trace.prepared``), ``rounding`` (low precision only: what the model's
+    own rounding is bounded with, ``Rounding``), ``adds`` (``check="adds"``: the per-add check, ``AddCheck``),
+    ``patterns`` (``by="source"``: each source-split block's ``(rebuild error, layer)``), ``room`` (the scores come
+    back as the first columns of a ``[n, n_components + room]`` buffer whose last ``room`` columns
+    ``Readout.pack`` fills) and ``fit_errors`` (the post-norms' fit errors, 0-d tensors read on the host once)."""
 
-    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``), the post-norms' fit errors and
-    the ``Sites`` read (their ``batch`` read from the stream);
-    ``rounding`` (low precision only) collects what the model's own rounding is bounded with, unscaled: each split
-    term's gap and noise and, after each whole block, the stream's noise around its adds (``Rounding``). ``edits``:
-    the forward pass may be edited, so each split term's gap is a column of its own (``L3.mlp.edit``, before its
-    rest): what it wrote beyond its parts and bias. ``patterns`` collects each source-split block's
-    ``(rebuild error, layer)`` (``by="source"``: the heads rebuilt from pattern and values against the model's).
-    ``room``: the scores come back as the first columns of a ``[n, n_components + room]`` buffer (returned whole),
-    whose last ``room`` columns ``Readout.pack`` fills: one buffer of the result's size is allocated, not three.
-    ``adds`` collects the per-add check (``math.adds``) of every block ``trace.adds.checked_blocks`` names: the
-    stream entering and leaving it, each term's write as added, and the stream between two checked blocks.
-    ``prepared``: the call's memo of what depends only on the weights and ``direction`` (``trace.prepared``; None:
-    one for this call only).
+    prepared: Prepared = field(default_factory=Prepared)
+    rounding: Rounding | None = None
+    adds: AddCheck | None = None
+    patterns: list = field(default_factory=list)
+    room: int = 0
+    fit_errors: list = field(default_factory=list)
+
+
+def decompose(model, plan: Plan, direction: torch.Tensor, where: Where, reading: Reading,
+              work: Work) -> tuple[torch.Tensor, list[float], Sites]:
+    """``[n, n_components]``: every term written before ``where.stop`` at the sites, dotted with ``direction``
+    ``[n, d_model]`` (a direction on the stream at ``stop``; None: the final norm's input), read in forward order.
+    A site is ``(where.rows[s], where.positions[s])``: a prompt of the batch and an index into the padded sequence
+    (``rows`` None: one site per prompt). ``reading.by="source"``: ``reading.sources`` says which heads split into
+    how many sources; ``where.offsets`` ``[n]`` is where each site's prompt's own tokens start.
+
+    Returns the unscaled scores (multiply by the frozen norm's scale at ``stop``), the post-norms' fit errors
+    (``work.fit_errors``) and the ``Sites`` read (their ``batch`` read from the stream). ``work`` (``Work``)
+    collects the rest: ``rounding`` (low precision only) what the model's own rounding is bounded with, unscaled:
+    each split term's gap and noise and, after each whole block, the stream's noise around its adds;
+    ``reading.edits``: the forward pass may be edited, so each split term's gap is a column of its own
+    (``L3.mlp.edit``, before its rest): what it wrote beyond its parts and bias; ``patterns`` each source-split
+    block's ``(rebuild error, layer)``; ``adds`` the per-add check (``math.adds``) of every block
+    ``trace.adds.checked_blocks`` names: the stream entering and leaving it, each term's write as added, and the
+    stream between two checked blocks.
     """
+    by, stop, sources, edits = reading.by, where.stop, reading.sources, reading.edits
+    positions, rows, offsets = where.positions, where.rows, where.offsets
+    rounding, patterns, room, adds, prepared = work.rounding, work.patterns, work.room, work.adds, work.prepared
     plan = features.placed(plan, direction.device)  # the dictionaries on the device before the forward pass runs
-    prepared = prepared if prepared is not None else Prepared()
     embed_direction, per_layer = prepared.get(("terms", stop), lambda: term_directions(model, plan, direction, stop))
 
     def memo(key, make):  # a term's direction on its write and its pull-back: kept within the record's budget
         return prepared.get(("term", stop, *key), make, keep=True)
     if by == "source":  # before the forward reaches any attention call the pattern is recomputed from
         prepare_sources(model, plan, sources)
-    fit_errors: list = []  # each a 0-d tensor (or 0.0): read on the host once, with the result
+    fit_errors = work.fit_errors  # each a 0-d tensor (or 0.0): read on the host once, with the result
     device = direction.device  # the sites' indices go to the device once, before the forward pass runs
     host_rows = torch.arange(positions.shape[0]) if rows is None else rows
     rows, positions = host_rows.to(device), positions.to(device)
@@ -157,8 +172,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, positions: torch.Tenso
     defer = by != "source" and len(sites) <= DEFER_SITES
     # the common case (every term written straight into the stream, a small call, no edit, no per-add check): each
     # term read here, all scored after the forward pass in a few products (trace.plain)
-    lane = plain.lane(model, plan, by, stop, per_layer, prepared, rounding is not None) if (
-        defer and not edits and adds is None) else None
+    lane = plain.lane(model, plan, by, stop, per_layer, work) if (
+        defer and not edits and adds is None and reading.lane) else None
     lane_reads: dict = {}
     for i, terms in enumerate(plan.terms_before(stop)):
         if i < first:  # inside the stream a residual dictionary splits: its parts stand for these blocks'
@@ -241,11 +256,10 @@ def direct_logit_attribution(
     targets,
     contrasts: torch.Tensor | None = None,
     by: Granularity = "block",
-    sources: Sources | None = None,
-    offsets: torch.Tensor | None = None,
-    edits: bool = False,
+    *,
+    reading: Reading | None = None,
     rows: torch.Tensor | None = None,
-    check: Check = "logit",
+    offsets: torch.Tensor | None = None,
     prepared: Prepared | None = None,
 ) -> Readout:
     """Attribute a logit (difference) inside a trace; see the module docstring.
@@ -257,16 +271,19 @@ def direct_logit_attribution(
         targets, contrasts: ``[n]`` long token ids (``contrasts`` optional: attribute the logit difference), or
             ``targets`` a ``LinearTarget`` (any linear function of each site's logits; ``contrasts`` None).
         by: ``"block"``, ``"head"``, ``"neuron"``, ``"expert"`` or ``"source"``.
-        sources, offsets: ``by="source"``: the heads split and into how many sources (``plan.Sources``), and
-            ``[n]`` long, where each site's prompt's own tokens start in the padded sequence.
-        edits: the forward pass may be edited (``intervene=``, ``trace_attribution``): each split term has an
-            ``.edit`` column, what it wrote beyond its parts and bias (``plan.components(by, edits=True)``).
+        reading: the rest of what the trace reads (``trace.reading.Reading``: ``by="source"``'s split heads, whether
+            the forward pass may be edited (``intervene=``, ``trace_attribution``: each split term has an ``.edit``
+            column), the per-add check's reads (``check="adds"``), the lane); None: ``Reading(by)``. Its ``by`` is
+            ``by``.
         rows: ``[n]`` long, each site's prompt (its row of the batch); None: one site per prompt, ``n = batch``.
-        check: ``"adds"``: also read what the per-add check needs (``math.adds``; ``"logit"``: the whole logit's
-            bound only).
+        offsets: ``by="source"``: ``[n]`` long, where each site's prompt's own tokens start in the padded sequence.
         prepared: what depends only on the weights and these targets, made by an earlier call with the same
             targets and weights (``trace.prepared``, local calls: ``transport.reuse``); None: made in this call.
     """
+    reading = Reading(by) if reading is None else reading
+    if reading.by != by:
+        raise InputError(f"direct_logit_attribution: by={by!r} but reading.by={reading.by!r}: give one")
+    check = reading.check
     check_granularity(by)
     with torch.no_grad():
         target = as_target(targets, contrasts)
@@ -280,8 +297,8 @@ def direct_logit_attribution(
         rounding = Rounding() if low_precision(weight) else None
         patterns: list = []
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
-        buffer, fit_errors, sites = decompose(model, plan, direction, positions, by, None, sources, offsets, rounding,
-                                              edits, patterns, rows, room, adds, prepared)
+        work = Work(prepared, rounding, adds, patterns, room)
+        buffer, fit_errors, sites = decompose(model, plan, direction, Where(positions, rows, offsets), reading, work)
         scores = buffer[:, :buffer.shape[1] - room]
         rows, positions = sites.rows, sites.positions  # on the device
         if plan.family.final_norm != "module":  # no final norm, or it also ran before the blocks: read around it
@@ -327,24 +344,25 @@ def direct_logit_attribution(
 def direction_attribution(
     model,
     plan: Plan,
-    positions: torch.Tensor,
+    where: Where,
     direction: torch.Tensor,
-    stop: Stop,
     reads: str,
-    by: Granularity = "block",
-    rows: torch.Tensor | None = None,
-    check: Check = "logit",
+    reading: Reading | None = None,
 ) -> Readout:
     """Attribute ``norm(stream) @ direction`` inside a trace, where ``norm`` (the module at ``reads`` in block
-    ``stop[0]``) reads the stream at ``stop``: the terms written before it, through the norm frozen at its input.
+    ``where.stop[0]``) reads the stream at ``where.stop``: the terms written before it, through the norm frozen at
+    its input.
 
     Args:
+        where: the sites (``positions`` and ``rows``, as in ``direct_logit_attribution``) and ``stop``:
+            ``plan.stop_before(layer, sublayer)``.
         direction: ``[n, d_model]`` (or ``[d_model]``), a direction on the norm's output (a probe, a query), one
             per site.
-        stop: ``plan.stop_before(layer, sublayer)``; reads: that sublayer's ``Term.reads``.
-        rows: ``[n]`` each site's prompt (None: one site per prompt), as in ``direct_logit_attribution``.
-        check: as in ``direct_logit_attribution``.
+        reads: the sublayer's ``Term.reads``.
+        reading: as in ``direct_logit_attribution`` (None: ``Reading()``, by block).
     """
+    reading = Reading() if reading is None else reading
+    by, check, stop, positions, rows = reading.by, reading.check, where.stop, where.positions, where.rows
     check_granularity(by)
     with torch.no_grad():
         rows = torch.arange(positions.shape[0]) if rows is None else rows
@@ -358,8 +376,9 @@ def direction_attribution(
         rounding = Rounding() if low_precision(weight) else None
         pulled = probe.center(probe.gain * v)
         room = len(Readout.FIELDS)  # the scores are written into the buffer pack() sends
-        buffer, fit_errors, sites = decompose(model, plan, pulled, positions, by, stop, rounding=rounding, rows=rows,
-                                              room=room, adds=adds if check == "adds" else None)
+        work = Work(rounding=rounding, adds=adds if check == "adds" else None, room=room)
+        buffer, fit_errors, sites = decompose(model, plan, pulled, Where(positions, rows, where.offsets, stop), reading,
+                                              work)
         scores = buffer[:, :buffer.shape[1] - room]
         stream = at(read_site(norm, "input", sites.batch), sites)
         output = at(read_site(norm, "output", sites.batch), sites)

@@ -24,13 +24,13 @@ from ..plan.plan import Plan
 from .readout import Readout
 
 
-def spans(plan: Plan, by, sources=None, edits: bool = False) -> tuple:
+def spans(plan: Plan, by, sources=None, edits: bool = False, stop=None) -> tuple:
     """``((start, d_sae, k), ...)``: each dictionary's latent columns in the dense values (its ``dropped`` column
     is ``start + d_sae``) and how many of them a site sends back."""
     if plan.stream_dictionary is None and not any(p.dictionary is not None for block in plan.layers for p in block):
         return ()  # no dictionary: the components are not built again
     found, start = [], 0
-    for run in plan.components(by, None, sources, edits).runs:
+    for run in plan.components(by, stop, sources, edits).runs:
         if run.part == "feature":
             if run.term == "resid":
                 d = plan.stream_dictionary[1]
@@ -69,17 +69,18 @@ class SparseReadout(Readout):
         return torch.cat([out, *values, *indices], -1)
 
 
-def wired(readout: Readout, plan: Plan, by, sources=None, edits: bool = False) -> Readout:
-    """``readout`` as a ``SparseReadout`` when ``plan`` has dictionaries (itself otherwise)."""
-    found = spans(plan, by, sources, edits)
+def wired(readout: Readout, plan: Plan, by, sources=None, edits: bool = False, stop=None) -> Readout:
+    """``readout`` as a ``SparseReadout`` when ``plan`` has dictionaries (itself otherwise); ``stop``: the
+    components are those written before it (``attribute_direction``)."""
+    found = spans(plan, by, sources, edits, stop)
     if not found:
         return readout
     return SparseReadout(**{f.name: getattr(readout, f.name) for f in fields(Readout)}, spans=found)
 
 
-def dense(packed: torch.Tensor, plan: Plan, by, sources=None, edits: bool = False) -> Readout:
+def dense(packed: torch.Tensor, plan: Plan, by, sources=None, edits: bool = False, stop=None) -> Readout:
     """The ``Readout`` a sparse wire ``packed`` carried, its latents scattered back into dense columns."""
-    found = spans(plan, by, sources, edits)
+    found = spans(plan, by, sources, edits, stop)
     if not found:
         return Readout.unpack(packed)
     total = sum(k for _, _, k in found)

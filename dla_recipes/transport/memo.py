@@ -17,9 +17,9 @@ keyed on the host by the arguments themselves:
 
 What is kept is immutable (``Batch`` records of tuples and tensors no stage edits in place), so a call that finds
 its preparation runs the same trace on the same inputs: the same numbers bit for bit
-(``tests/test_fast_paths.py`` runs each family with ``MEMO = False`` too). A preparation that warned (a word
+(``tests/test_fast_paths.py`` runs each family with ``fast=Fast(memo=False)`` too). A preparation that warned (a word
 without its leading space, ``spacing.space_warning``) is not kept, so the call warns again each time it is asked.
-``MEMO = False`` switches it off.
+A call asked with ``fast=Fast(memo=False)`` (or ``fast=False``) neither finds nor keeps one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from collections import OrderedDict
 
 from .spacing import warned
 
-MEMO = True
 CALLS = 8  # preparations kept per model: the most recently asked
 
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> OrderedDict(key -> preparation)
@@ -67,10 +66,11 @@ def _position(value):
     return _NONE
 
 
-def key_of(model, prompts, target, contrast, position, batch_size) -> tuple | None:
+def key_of(model, prompts, logits, batch_size) -> tuple | None:
     """The host key of a call's preparation, or None when it is not kept (see the module docstring). ``prompts``:
-    the checked list (``args.check_call``)."""
-    if not MEMO or not all(type(p) is str for p in prompts):
+    the checked list (``args.check_prompts``); ``logits``: ``(target, contrast, position)`` as the user gave them."""
+    target, contrast, position = logits
+    if not all(type(p) is str for p in prompts):
         return None
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:

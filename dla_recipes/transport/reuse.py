@@ -21,8 +21,8 @@ self-check raises, and ``api`` runs the call again without any record (``forget`
 Remote calls take no record (the server keeps nothing between requests; the record's tensors are the client's), nor
 do calls that edit the forward pass (``intervene=``), which may edit a weight inside the trace. A record keeps at
 most ``KEEP_BYTES``: one made for a large call (many sites) keeps its directions for the call only and is dropped
-after it (``settle``), so between calls a model holds at most ``RECORDS * KEEP_BYTES``. ``REUSE = False`` switches
-it off (``tests/test_fast_paths.py``: the same numbers bit for bit).
+after it (``settle``), so between calls a model holds at most ``RECORDS * KEEP_BYTES``. A call asked with ``fast=Fast(reuse=False)``
+takes none (``tests/test_fast_paths.py``: the same numbers bit for bit).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import torch
 from ..trace.prepared import Prepared
 from ..trace.targets import LinearTarget
 
-REUSE = True
 RECORDS = 4  # records kept per model: the most recently used targets
 KEEP_BYTES = 32 << 20  # the most a record holds between calls (RECORDS of them: at most 128 MiB a model)
 
@@ -94,8 +93,6 @@ class Reuse:
         self.module = getattr(model, "_module", model)
         self.given: list[tuple[Prepared, int]] = []  # each record handed out, and how often it had served before
         self.store = None
-        if not REUSE:
-            return
         try:
             weights = stamp(self.module)
         except RuntimeError:  # inference tensors (made under torch.inference_mode) keep no version: nothing reused
