@@ -35,6 +35,7 @@ from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.reuse import Reuse
 from .transport.run import run as run_batches
+from .transport.session import How, Work
 from .transport.sites import check_grid, for_group, for_prompts
 from .transport.stats import pair_groups, stats_calls
 
@@ -87,8 +88,8 @@ def complete(request: Request, done: tuple = ()) -> Attribution:
     """Run the request's batches after the ``done`` readouts and assemble them; a remote request that fails for
     good raises a ``RemoteBatchError`` keeping the attribution of the requests that completed."""
     r, q = request, request.question
-    ran = run_batches(r.model, r.of.plan, r.batches, r.calls, remote=q.remote, progress=q.progress,
-                      intervene=q.intervene, done=done, desc=f"DLA by {q.by}")
+    ran = run_batches(r.model, r.of.plan, Work(r.batches, r.calls, q.intervene),
+                      How(q.remote, q.progress, f"DLA by {q.by}"), done)
     if ran.error is None and q.stats is not None:
         return stats_of(r, ran.readouts)
     if ran.error is None:
@@ -305,8 +306,9 @@ def _batches(model, plan, prompts: list, logits: Logits, question: Question):
 
     if target is None:  # the model's own top token at each site: one more forward pass reads it
         batches = batches_for(0)
-        tops = run_batches(model, plan, batches, tuple(TopCall(b.positions, b.rows, int(b.encoding['input_ids'].shape[1])) for b in batches),
-                           remote=q.remote, progress=q.progress, intervene=q.intervene, desc="top tokens")
+        tops = run_batches(model, plan, Work(batches, tuple(TopCall(b.positions, b.rows, int(b.encoding["input_ids"].shape[1]))
+                                                           for b in batches), q.intervene),
+                           How(q.remote, q.progress, "top tokens"))
         if tops.error is not None:
             raise tops.error
         batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),

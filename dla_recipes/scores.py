@@ -25,6 +25,7 @@ from .selfcheck import model_dtype
 from .trace.scores import ScoreCall
 from .transport.batches import groups, offsets, prepare, token_ids
 from .transport.run import run as run_batches
+from .transport.session import How, Work
 
 REBUILD_RTOL = 1e-4  # float32: the stream, query and key rebuilt from the components (llama 3e-7); a family whose
 # attention computes them some other way is off by far more (OPT 3, Falcon-H1 0.17, Hunyuan 0.05). In low precision
@@ -117,9 +118,8 @@ def score_logits(model, prompts, asked: Score, question: Question) -> ScoreAttri
         start = offsets(batch)  # [n]: where each prompt's own tokens start
         k_positions = torch.tensor([own_keys[i] for i in g], dtype=torch.long) + start[:, None]
         calls.append(ScoreCall(plan, spec, batch.positions, k_positions))
-    ran = run_batches(model, plan, batches, tuple(calls), remote=question.remote, progress=question.progress,
-                      intervene=question.intervene,
-                      desc=f"scores of {head}")
+    ran = run_batches(model, plan, Work(batches, tuple(calls), question.intervene),
+                      How(question.remote, question.progress, f"scores of {head}"))
     if ran.error is not None:
         raise ran.error
     order = [i for g in run_groups for i in g]

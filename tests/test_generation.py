@@ -369,3 +369,25 @@ def test_plots_of_an_answer():
     assert picked.generation.answers == (attr.generation.answers[2], attr.generation.answers[0])
     assert torch.equal(picked.values.nan_to_num(), attr.values[[2, 0]].nan_to_num())
     assert torch.equal(picked.generation.gap.nan_to_num(), attr.generation.gap[[2, 0]].nan_to_num())
+
+
+@pytest.mark.server
+def test_remote_steered_generation_with_the_add_check_equals_local(server):
+    """Through the one session loop (``generation.session.send_generation``): a steering edit made at every
+    generation step and in the teacher-forced trace, with the per-add check, gives on the loopback NDIF server the
+    answers and values it gives locally, bit for bit (both single-threaded); the edit changed the answers."""
+    remote_model, local_model = server.remote_model("llama"), server.local_model("llama")
+    vector = torch.linspace(-3.0, 3.0, local_model.config.hidden_size)
+
+    def steer(model, vector=vector):
+        model.layers[1].mlp.output = model.layers[1].mlp.output + vector
+
+    options = {"contrast": "runner-up", "by": "head", "check": "adds"}
+    with server.client():
+        remote = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, intervene=steer, remote=True, **options)
+    with single_threaded():
+        local = dla_recipes.attribute_generation(local_model, PROMPTS, 4, intervene=steer, **options)
+        plain = dla_recipes.attribute_generation(local_model, PROMPTS, 4, **options)
+    assert remote.generation.answers == local.generation.answers != plain.generation.answers
+    assert torch.equal(remote.values, local.values) and torch.equal(remote.constant, local.constant)
+    assert "L1.mlp" in remote.labels or any(label.startswith("L1.mlp") for label in remote.labels)

@@ -33,7 +33,7 @@ from .inputs import Settings, check_settings, prompt_ids, raise_all
 from .result import Generation, GenerationAttribution
 from .run import Generated, contrast_grid, forced
 from .run import generate as run_generation
-from .session import Asked, generate_and_attribute
+from .session import Asked, remote_generation
 
 __all__ = ["Generation", "GenerationAttribution", "Settings", "attribute_generation"]
 
@@ -116,13 +116,16 @@ def generation_logits(model, prompts, answer: Answer, question: Question):
         problems.append("blocking=False: attribute_generation needs the answers back before it builds their "
                         "teacher-forced pass; run it blocking (remote sessions still carry both)")
     raise_all(problems)
-    if q.remote and q.by != "source" and q.stats is None and not q.edits:  # one NDIF session: generate, attribute
-        generated, attr = generate_and_attribute(model, plan, ids, Asked(settings, chosen, contrast), q)
+    asked = Asked(settings, chosen, contrast)
+    if q.remote:  # the one session loop: generated and, unless by source or statistics, attributed in its sessions
+        generated, attr = remote_generation(model, plan, ids, asked, q)
         check_given(contrast, chosen, generated)
-        return attr if not isinstance(attr, PositionAttribution) else with_generation(
-            model, attr, generated, settings, contrast, chosen, chat)
-    generated = run_generation(model, plan, ids, settings, chosen, q)
-    check_given(contrast, chosen, generated)
+        if attr is not None:
+            return attr if not isinstance(attr, PositionAttribution) else with_generation(
+                model, attr, generated, settings, contrast, chosen, chat)
+    else:
+        generated = run_generation(model, plan, ids, settings, chosen, q)
+        check_given(contrast, chosen, generated)
     sequences, spans = forced(generated.prompts, generated.answers)
     grid = contrast_grid(contrast, generated.answers, generated.runner_up, chosen)
     attr = attribute_logits(model, sequences, Logits("next", grid, spans), q)

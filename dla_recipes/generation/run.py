@@ -1,6 +1,6 @@
-"""The model's own generation, locally or on NDIF: nnsight's ``model.generate`` over left-padded prompts, each
-step's raw logits reduced in the trace to a few numbers a step (so a remote answer returns ``[batch, steps]``
-tensors, never ``[batch, steps, vocab]``).
+"""The model's own generation: nnsight's ``model.generate`` over left-padded prompts (remotely through the session
+loop, ``generation.session``), each step's raw logits reduced in the trace to a few numbers a step (so a remote
+answer returns ``[batch, steps]`` tensors, never ``[batch, steps, vocab]``).
 
 Per generated step ``k`` of row ``b`` (the generation's OWN pass: the KV-cached decoding forward that chose the
 token, its logits before any sampling processor) the trace returns: the token; its logit; the runner-up, the
@@ -13,13 +13,13 @@ A family whose padding changes a prompt's logits generates its prompts grouped b
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import nnsight
 import torch
 
 from ..transport.batches import groups
-from ..transport.remote import register_for_remote, retry_or_raise
 from .inputs import Settings
 
 
@@ -65,42 +65,29 @@ def left_padded(rows: list, pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tensor, question) -> tuple:
-    """One ``model.generate`` trace of a padded group; ``step_readout``'s tensors (retried remotely as a trace).
+def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tensor, intervene=None) -> tuple:
+    """One local ``model.generate`` trace of a padded group; ``step_readout``'s tensors (a remote generation runs in
+    the session loop: ``generation.session``).
 
-    ``question.intervene``: the edit runs at every step (``tracer.all()``), each step a forward pass over the whole
-    prefix (``use_cache=False``), so an edit that indexes positions edits the same ones at every step."""
-    remote, intervene = question.remote, question.intervene
+    ``intervene``: the edit runs at every step (``tracer.all()``), each step a forward pass over the whole prefix
+    (``use_cache=False``), so an edit that indexes positions edits the same ones at every step."""
     kwargs = settings.kwargs() | ({} if intervene is None else {"use_cache": False})
     width = int(encoding["input_ids"].shape[1])
-    options = {"remote": remote} if remote else {}
-    if remote:
-        register_for_remote()
-    attempt = 0
-    while True:
-        try:
-            with torch.random.fork_rng(devices=_devices(model)):
-                if settings.seed is not None:
-                    torch.manual_seed(settings.seed)
-                if intervene is None:
-                    with torch.no_grad(), model.generate(dict(encoding), **kwargs, **options) as tracer:
-                        if remote and settings.seed is not None:  # the server's sampler, before the first step
-                            torch.manual_seed(settings.seed)
-                        out = nnsight.save(step_readout(tracer.result, width, chosen))
-                else:
-                    with torch.no_grad(), model.generate(**kwargs, **options) as tracer:
-                        if remote and settings.seed is not None:
-                            torch.manual_seed(settings.seed)
-                        with tracer.invoke(dict(encoding)):
-                            for _ in tracer.all():  # the edit at every step of the generation
-                                intervene(model)
-                        with tracer.invoke():
-                            out = nnsight.save(step_readout(tracer.result, width, chosen))
-            return out
-        except Exception as error:
-            if not remote:
-                raise
-            attempt = retry_or_raise(error, attempt, remote)
+    with torch.random.fork_rng(devices=_devices(model)):
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)
+        if intervene is None:
+            with torch.no_grad(), model.generate(dict(encoding), **kwargs) as tracer:
+                out = nnsight.save(step_readout(tracer.result, width, chosen))
+        else:  # nnsight warns that the open loop ended with the generation: that is the loop's end by design
+            with warnings.catch_warnings(), torch.no_grad(), model.generate(**kwargs) as tracer:
+                warnings.filterwarnings("ignore", message=".*was never reached.*", category=UserWarning)
+                with tracer.invoke(dict(encoding)):
+                    for _ in tracer.all():  # the edit at every step of the generation
+                        intervene(model)
+                with tracer.invoke():
+                    out = nnsight.save(step_readout(tracer.result, width, chosen))
+    return out
 
 
 def _devices(model) -> list:
@@ -130,14 +117,15 @@ def pad_id(model, settings: Settings) -> int:
 
 
 def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, question) -> Generated:
-    """The answers of ``prompts`` (own ids ``[n][P_b]``); ``chosen``: per-step contrast ids ``[n][max_new_tokens]``
-    (None: no such contrast); ``question``: the call's ``Question`` (its ``remote``, ``batch_size`` and
-    ``intervene``)."""
+    """The answers of ``prompts`` (own ids ``[n][P_b]``), generated locally; ``chosen``: per-step contrast ids
+    ``[n][max_new_tokens]`` (None: no such contrast); ``question``: the call's ``Question`` (its ``batch_size``
+    and ``intervene``)."""
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
     rows: list = [None] * len(prompts)
     for group in groups(model, plan, prompts, question.batch_size, [list(p) for p in prompts]):
         encoding = left_padded([prompts[i] for i in group], pad)
-        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens), question)
+        out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens),
+                             question.intervene)
         for k, i in enumerate(group):
             rows[i] = row_of(out, k, stop)
     return collect(prompts, rows)

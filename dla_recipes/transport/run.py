@@ -9,14 +9,12 @@ good and returning what completed (``Ran``): the result stage builds the ``Attri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import nnsight
 import torch
 
 from ..trace.readout import Readout
 from .remote import register_for_remote, retry_or_raise
-from .session import Ran, run_sessions, trace_options, unpack
+from .session import How, Ran, Work, run_sessions, trace_options, unpack
 
 
 def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout:
@@ -62,25 +60,25 @@ def run_trace(model, plan, batch, call, remote=False, intervene=None) -> Readout
     return unpack(call, out if remote else out.pack())
 
 
-def run(model, plan, batches: Sequence, calls: Sequence, *, remote=False, progress: bool | None = None,
-        intervene=None, done: tuple = (), desc: str = "DLA") -> Ran:
-    """Run ``calls[k]`` on ``batches[k]`` for every batch after the ``done`` readouts, in order.
+def run(model, plan, work: Work, how: How, done: tuple = ()) -> Ran:
+    """Run ``work.calls[k]`` on ``work.batches[k]`` for every batch after the ``done`` readouts, in order
+    (``work.intervene``: the edit each trace makes first).
 
-    Locally one trace a batch, and a failure raises as it is. Remotely the batches travel in NDIF sessions, as few
-    as the job limit allows (``session.run_sessions``), and a session that still fails after its retries stops the
-    run: the returned ``Ran`` holds the readouts so far and the ``RemoteError``. ``progress``: a progress bar over
-    the batches (default: when there is more than one).
+    Locally one trace a batch, and a failure raises as it is. Remotely (``how.remote``) the batches travel in NDIF
+    sessions, as few as the job limit allows (``session.run_sessions``), and a session that still fails after its
+    retries stops the run: the returned ``Ran`` holds the readouts so far and the ``RemoteError``.
+    ``how.progress``: a progress bar over the batches (default: when there is more than one).
     """
-    if remote:
-        return run_sessions(model, plan, batches, calls, remote=remote, progress=progress, intervene=intervene,
-                            done=done, desc=desc)
-    todo = list(zip(batches, calls))[len(done):]
-    show = progress if progress is not None else len(batches) > 1
+    if how.remote:
+        return run_sessions(model, plan, work, how, done)
+    batches = work.batches
+    todo = list(zip(batches, work.calls))[len(done):]
+    show = how.progress if how.progress is not None else len(batches) > 1
     if show:
         from tqdm.auto import tqdm
 
-        todo = tqdm(todo, desc=desc, unit="batch", initial=len(done), total=len(batches))
+        todo = tqdm(todo, desc=how.desc, unit="batch", initial=len(done), total=len(batches))
     readouts = list(done)
     for batch, call in todo:
-        readouts.append(run_trace(model, plan, batch, call, remote, intervene))
+        readouts.append(run_trace(model, plan, batch, call, False, work.intervene))
     return Ran(tuple(readouts))

@@ -66,6 +66,33 @@ JOB_LIMIT = JobLimit()
 
 
 @dataclass(frozen=True)
+class Work:
+    """What a run sends: ``calls[k]`` on ``batches[k]``, after ``intervene``'s edit (``fn(model)`` or None).
+    ``send``: the session body, ``send(model, plan, batches, calls, remote, intervene)`` -> one readout a batch
+    (None: ``send_session``, each batch's trace; ``generation.session`` sends a generation and its trace)."""
+
+    batches: Sequence
+    calls: Sequence
+    intervene: object = None
+    send: object = None
+
+    def part(self, indices: range) -> Work:
+        """The batches and calls at ``indices``, the same edit and body."""
+        return Work([self.batches[k] for k in indices], [self.calls[k] for k in indices], self.intervene, self.send)
+
+
+@dataclass(frozen=True)
+class How:
+    """How a run goes: ``remote`` (False, True or a server URL), ``progress`` (a bar over the batches; None: when
+    there is more than one), ``desc`` (the bar's label) and ``limit`` (the ``JobLimit``; None: ``JOB_LIMIT``)."""
+
+    remote: object = False
+    progress: bool | None = None
+    desc: str = "DLA"
+    limit: JobLimit | None = None
+
+
+@dataclass(frozen=True)
 class Ran:
     """What a run did: ``readouts`` of the batches that completed, in order (the ``done`` ones first), and the
     ``RemoteError`` that stopped it (None: every batch completed)."""
@@ -148,37 +175,37 @@ def chunks(start: int, stop: int, size: int) -> list[range]:
     return [range(i, min(i + size, stop)) for i in range(start, stop, size)]
 
 
-def run_sessions(model, plan, batches: Sequence, calls: Sequence, *, remote, progress: bool | None = None,
-                 intervene=None, done: tuple = (), desc: str = "DLA", limit: JobLimit | None = None) -> Ran:
-    """Run every batch after the ``done`` readouts on the NDIF server, as few sessions as the job limit allows.
+def run_sessions(model, plan, work: Work, how: How, done: tuple = ()) -> Ran:
+    """Run every batch of ``work`` after the ``done`` readouts on the NDIF server, as few sessions as the job limit
+    allows (``how.limit``), each session ``work.send``'s body (``send_session`` by default).
 
     Stops at the first session that still fails after its retries: the returned ``Ran`` holds the readouts of the
     sessions before it and the ``RemoteError``.
     """
-    limit = limit or JOB_LIMIT
+    limit, remote = how.limit or JOB_LIMIT, how.remote
+    send = work.send or send_session  # looked up at the call: a test may replace send_session
     check_versions(remote)
-    readouts, n = list(done), len(batches)
+    readouts, n = list(done), len(work.batches)
     bar = None
-    if (progress if progress is not None else n > 1) and len(done) < n:
+    if (how.progress if how.progress is not None else n > 1) and len(done) < n:
         from tqdm.auto import tqdm
 
-        bar = tqdm(desc=desc, unit="batch", initial=len(done), total=n)
+        bar = tqdm(desc=how.desc, unit="batch", initial=len(done), total=n)
     estimate = limit.batch_seconds
     try:
         while len(readouts) < n:
             start = len(readouts)
             size = 1 if estimate is None and n - start > 1 else limit.per_job(estimate)
-            part = range(start, min(start + size, n))
+            part = work.part(range(start, min(start + size, n)))
             began = time.monotonic()
             try:
-                readouts += send_session(model, plan, [batches[k] for k in part], [calls[k] for k in part], remote,
-                                         intervene)
+                readouts += send(model, plan, part.batches, part.calls, remote, part.intervene)
             except RemoteError as error:
                 return Ran(tuple(readouts), error)
             if estimate is None:  # measured: the round trip of this session, per batch (an overestimate)
-                estimate = (time.monotonic() - began) / len(part)
+                estimate = (time.monotonic() - began) / len(part.batches)
             if bar is not None:
-                bar.update(len(part))
+                bar.update(len(part.batches))
     finally:
         if bar is not None:
             bar.close()
