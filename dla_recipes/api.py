@@ -28,7 +28,7 @@ from .question import Question, ask
 from .result import EDIT_HINT, Of, assemble, assemble_stats, layout_of, rows_of
 from .selfcheck import model_dtype
 from .trace.calls import LogitCall, TopCall
-from .trace.reading import Reading, Where
+from .trace.reading import Where
 from .transport import memo
 from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
@@ -57,11 +57,6 @@ def planned(model, question: Question):
     if question.dictionaries is not None:
         plan = features.attach(model, plan, question.dictionaries, remote=bool(question.remote))
     return model, plan
-
-
-def reading_of(question: Question, sources=None) -> Reading:
-    """What the trace reads of ``question`` (``sources``: ``by="source"``'s chosen heads, ``plan.Sources``)."""
-    return Reading(question.by, sources, question.edits, question.check, question.fast.lane)
 
 
 @dataclass(frozen=True)
@@ -257,7 +252,7 @@ def attribute_logits(model, prompts, logits: Logits, question: Question):
             heads = getattr(heads, "sites", heads)
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, top, count, heads, upstream)
-    reading = reading_of(q, split)
+    reading = q.reading(split)
 
     def calls_for(reuse: Reuse | None) -> tuple:  # each batch's in-trace call (reuse: local, no edits)
         calls = tuple(LogitCall(plan, Where(b.positions, b.rows, offsets(b) if q.by == "source" else None),

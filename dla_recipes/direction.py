@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .api import Request, complete, planned, reading_of
+from .api import Request, complete, planned
 from .args import Check, Granularity, check_int, check_position, check_prompts
 from .errors import ExactnessError, InputError
 from .plan import sources as source_split
@@ -132,7 +132,7 @@ def direction_logits(model, prompts, asked: Direction, question: Question):
         source_split.check(model, plan, layers)
         count = max(own for b in batches for own in b.own_positions) + 1
         split = source_split.choose(plan, layers, None, count, None, None)
-    reading = reading_of(q, split)
+    reading = q.reading(split)
     calls = []
     for b, g in zip(batches, run_groups):
         mine = directions[torch.as_tensor(g)][b.rows]  # [n, (n_positions,) d]: each site's prompt's

@@ -67,7 +67,6 @@ from .question import ask
 from .result import layout_of
 from .selfcheck import model_dtype
 from .trace.order import guard_names, watch
-from .trace.reading import Reading
 from .trace.recipe import direct_logit_attribution
 from .transport.batches import prepare_encoding
 
@@ -258,7 +257,7 @@ def trace_attribution(
     if question.dictionaries is not None:
         plan = features.attach(model, plan, question.dictionaries)
     shape = tuple(encoding["input_ids"].shape)
-    reading = Reading(question.by, None, True, question.check, question.fast.lane)
+    reading = question.reading(edits=True)
     handle = TracedAttribution(
         plan=plan, by=by, prompts=batch.site_prompts, target_tokens=batch.target_tokens,
         contrast_tokens=batch.contrast_tokens, positions=batch.own_positions,

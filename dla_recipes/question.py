@@ -31,6 +31,7 @@ from .errors import InputError
 from .plan.sources import OPTIONS as SOURCE_OPTIONS
 from .plan.sources import UPSTREAM
 from .present.stats import Stats, as_stats, check_reduce
+from .trace.reading import Reading
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,12 @@ class Question:
     def stats(self) -> Stats | None:
         """``reduce`` as a ``Stats`` record, or None (rows, or ``"sum"``)."""
         return as_stats(self.reduce)
+
+    def reading(self, sources=None, edits: bool | None = None) -> Reading:
+        """What an in-trace call reads of this question (``trace.reading.Reading``); ``sources``: ``by="source"``'s
+        chosen heads (``plan.Sources``), ``edits``: True where the forward pass may be edited outside ``intervene``
+        (``trace_attribution``: the user's own trace)."""
+        return Reading(self.by, sources, self.edits if edits is None else edits, self.check, self.fast.lane)
 
     def but(self, **changes) -> Question:
         """This question with ``changes`` (already checked values: a stage deriving one call from another)."""

@@ -143,7 +143,7 @@ def generation_work(model, plan, prompts: list, asked: Asked, question):
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
     kwargs = settings.kwargs() | ({} if q.intervene is None else {"use_cache": False})
     attributes = q.by != "source" and q.stats is None
-    reading = Reading(q.by, None, q.edits, q.check, q.fast.lane)
+    reading = q.reading()
     run_groups = groups(model, plan, prompts, q.batch_size, [list(p) for p in prompts])
     encodings, calls = [], []
     for g in run_groups:
