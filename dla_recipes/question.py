@@ -69,7 +69,9 @@ class Question:
         tolerance: a relative tolerance replacing the derived bound, or None.
         reduce: None, ``"sum"``, ``"stats"`` or a ``Stats``.
         blocking: False: a remote call returns a ``RemoteJob`` handle at once.
-        compare: ``attribute_dataset``'s second condition (a ``Versus`` or a column name), or None.
+        compare: ``attribute_dataset``'s second condition (a ``Versus`` or a column name), or None: the one
+            option of one verb only (the statistics of per-row differences; ``attribute``'s own form is
+            ``reduce=Stats(paired=True)`` over ``clean + corrupted`` prompts).
         batch_size: prompts per forward pass (None: the verb's default).
         progress: a progress bar (None: when there is more than one batch).
         remote: False, True (NDIF) or a server URL.
@@ -124,20 +126,18 @@ REFUSED: dict[tuple[str, str], str] = {
     "(blocking=False hands back a RemoteJob of attribute's rows)",
     ("attribute_scores", "sources"): "the keys= of attribute_scores are the sources of the score; sources= "
     "chooses which heads by='source' splits in a logit's attribution",
-    ("attribute_scores", "check"): "a score has no residual adds after its block to check: its own check rebuilds "
-    "the stream, query and key from the components against the model's own (always on)",
-    ("attribute_scores", "compare"): "compare= is attribute_dataset's second condition",
+    ("attribute_scores", "check"): "the per-add check is not built for a score; its own check, always on, "
+    "rebuilds the stream the head's norm reads, its query and its key from the components against the model's own "
+    "(a write no component made into that stream fails it)",
+    ("attribute_generation", "blocking"): "the answers must come back before their teacher-forced pass is built "
+    "(remotely both run in the same sessions): run it blocking",
+    ("attribute_dataset", "blocking"): "the chunks run one after another, each written before the next: run it "
+    "blocking (out= keeps what finished, and the same call again resumes)",
     ("trace_attribution", "remote"): "trace_attribution runs in your own trace: give remote= to model.trace(...)",
     ("trace_attribution", "blocking"): "trace_attribution runs in your own trace, which decides when it returns",
     ("trace_attribution", "intervene"): "in your own trace your edits are the code before trace_attribution(...)",
     ("trace_attribution", "batch_size"): "your own trace is one batch: split the prompts over several traces",
     ("trace_attribution", "progress"): "your own trace is one batch",
-    ("trace_attribution", "compare"): "compare= is attribute_dataset's second condition",
-    ("attribute", "compare"): "compare= is attribute_dataset's second condition (clean vs corrupted prompts: "
-    "attribute(clean + corrupted, ..., reduce=Stats(paired=True)))",
-    ("attribute_direction", "compare"): "compare= is attribute_dataset's second condition",
-    ("attribute_generation", "compare"): "the two conditions would generate different answers: attribute each "
-    "with its own call",
 }
 
 

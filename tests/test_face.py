@@ -7,6 +7,7 @@ in-trace readers and recipes are ``dla_recipes.trace``, the table ``dla_recipes.
 by their short path too.
 """
 
+import dataclasses
 import importlib
 import inspect
 
@@ -44,3 +45,37 @@ def test_plots_and_models_import_by_their_short_path():
     from dla_recipes.plots import blocks_bar
 
     assert callable(default_model_path) and callable(blocks_bar)
+
+
+def test_every_verb_takes_every_option_by_the_same_name_and_default():
+    """One question (``dla_recipes.question.Question``): each of its fields is a keyword-only option of every verb,
+    with the record's default, and no verb swallows a misspelt option (no ``**kwargs``)."""
+    from dla_recipes.question import DEFAULTS, REFUSED, Question, ask
+
+    verbs = ["attribute", "attribute_direction", "attribute_generation", "attribute_scores", "attribute_dataset",
+             "trace_attribution"]
+    options = [f.name for f in dataclasses.fields(Question)]
+    for verb in verbs:
+        parameters = inspect.signature(getattr(dla_recipes, verb)).parameters
+        assert not any(p.kind == p.VAR_KEYWORD for p in parameters.values()), verb
+        for name in options:
+            if name == "compare" and verb != "attribute_dataset":
+                continue  # the one option of one verb: a dataset's second condition
+            assert name in parameters, (verb, name)
+            p = parameters[name]
+            assert p.kind == p.KEYWORD_ONLY, (verb, name)
+            default = getattr(DEFAULTS, name)
+            assert p.default == default or (name == "fast" and p.default is True), (verb, name, p.default)
+    assert {verb for verb, _ in REFUSED} <= set(verbs) and {name for _, name in REFUSED} <= set(options)
+    for (verb, name), reason in REFUSED.items():  # each refusal says its reason, naming the verb and the option
+        value = {"blocking": False, "remote": True, "progress": True, "batch_size": 2, "reduce": "sum",
+                 "check": "adds", "compare": "corrupted", "intervene": print, "sources": {"layers": [0]},
+                 "dictionaries": {"L0.mlp": object()}}[name]
+        extra = {"by": "source"} if name == "sources" else {}
+        extra |= {"remote": True} if name == "blocking" else {}
+        try:
+            ask(verb, **{name: value}, **extra)
+        except dla_recipes.InputError as error:
+            assert reason in str(error) and f"{verb} does not take {name}=" in str(error), (verb, name, str(error))
+        else:
+            raise AssertionError(f"{verb} took {name}={value!r}")

@@ -105,9 +105,6 @@ def attribute_dataset(model, data, *, prompt="prompt", target="target", contrast
     for name in ("start", "paired"):
         if stats_record is not None and getattr(stats_record, name) != getattr(Stats(), name):
             raise InputError(f"Stats({name}=...) is attribute_dataset's to set (each chunk's first row; compare=)")
-    if not q.blocking:
-        raise InputError("blocking=False: attribute_dataset runs its chunks one after another (each written before "
-                         "the next): run it blocking; out= keeps what finished, and a call again resumes")
     batch_size = q.batch_size
     if not isinstance(prompt, (str, Column)):
         raise InputError(f"prompt={prompt!r}: give the name of the column holding the prompts")

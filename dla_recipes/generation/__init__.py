@@ -112,9 +112,6 @@ def generation_logits(model, prompts, answer: Answer, question: Question):
         problems.append(f"position={answer.position!r}: attribute_generation attributes every generated token at "
                         "the position that predicted it; drop position= (other positions of prompt + answer: "
                         "attribute(model, prompt + answer ids, target, position=...))")
-    if not q.blocking:
-        problems.append("blocking=False: attribute_generation needs the answers back before it builds their "
-                        "teacher-forced pass; run it blocking (remote sessions still carry both)")
     raise_all(problems)
     asked = Asked(settings, chosen, contrast)
     if q.remote:  # the one session loop: generated and, unless by source or statistics, attributed in its sessions
