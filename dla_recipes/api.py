@@ -21,6 +21,7 @@ from . import features
 from .args import Check, Granularity, check_position, check_prompts
 from .errors import ExactnessError, InputError
 from .loading.load import as_standardized
+from .math.frozen_norm import forget_probes
 from .plan import build_plan
 from .plan import sources as source_split
 from .present.attribution import Attribution
@@ -52,6 +53,8 @@ def planned(model, question: Question):
     """``(model, plan)``: the model as a ``StandardizedTransformer`` and its plan, checked for ``question.by`` and
     with ``question.dictionaries`` attached (every problem of them in one ``InputError``). Every verb starts here."""
     model = as_standardized(model)
+    if not question.fast.probes:  # the general path: every norm probed anew in this call
+        forget_probes(getattr(model, "_module", model))
     plan = build_plan(model)
     plan.require(question.by)
     if question.dictionaries is not None:

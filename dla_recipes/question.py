@@ -45,15 +45,20 @@ class Fast:
         memo: keep a call's batches and layout for the same question asked again: keyed on the prompts, targets,
             positions, batch size and the tokenizer's state (``transport.memo``).
         lane: score every term after the forward pass in a few products when every term is written straight into
-            the stream (``trace.plain``): keyed on the plan and the granularity, per call.
+            the stream (``trace.plain``): kept in the call's ``Prepared`` record, keyed on the stop, the
+            granularity and whether the call reads the model's rounding.
+        probes: take each norm's probe from the last call (``math.frozen_norm.probe_norm``): kept on the norm
+            module, keyed on each parameter's identity, storage, in-place version, dtype and device and the width
+            it reads. False: every norm of the model probed anew in this call.
     """
 
     reuse: bool = True
     memo: bool = True
     lane: bool = True
+    probes: bool = True
 
 
-GENERAL = Fast(reuse=False, memo=False, lane=False)
+GENERAL = Fast(reuse=False, memo=False, lane=False, probes=False)
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,7 @@ def _check_fast(fast) -> Fast:
         return GENERAL
     if not isinstance(fast, Fast):
         raise InputError(f"fast={fast!r}: give True (every fast path), False (the general path) or "
-                         "dla_recipes.question.Fast(reuse=..., memo=..., lane=...)")
+                         "dla_recipes.question.Fast(reuse=..., memo=..., lane=..., probes=...)")
     return fast
 
 

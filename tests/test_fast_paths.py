@@ -3,17 +3,16 @@
 A fast path is work skipped or shared because it cannot change the answer: the prompts tokenized once and padded into each batch (``token_ids`` /
 ``prepare(ids=)``), a tokenizer's answers kept (``transport.sites.remembered``), the ``logits_to_keep`` signature
 check kept per model class (``transport.session.keeps_logits``), the plan kept per model (``build_plan``), each
-norm's probe kept on its module until a parameter changes (``math.frozen_norm.KEEP_PROBES``), what depends only on
+norm's probe kept on its module until a parameter changes (``Fast.probes``), what depends only on
 the weights and the targets kept from an earlier call (``Fast.reuse``: the head, every term's direction,
 the pull-backs through ``W_O`` / ``W_down``), a small call's arithmetic deferred to after the forward pass
 (``trace.recipe.DEFER_SITES``), the common case's terms scored in a few products after it (``Fast.lane``), a
 call's batches and layout kept for the same question asked again (``Fast.memo``). Each is
-switched off here (``slow_paths``) and the same call made again; ``torch.equal`` on the parts, the constant, the
+switched off here (``fast=False`` for the per-call ones, ``slow_paths`` for the rest) and the same call made again; ``torch.equal`` on the parts, the constant, the
 model's own logit (the head runs on the same positions either way) and the self-check's bound and split rounding.
 The fast side calls twice, so that its second call takes the record the first one left whole; in float32 on every
-family, in bfloat16 (where a split term also reads its write whole, for the self-check) on one family of each group. The pull-back of equal rows computed once
-(``math.linalg.DEDUPE_ROWS``) is not one of them: it moves the last bits (a product of fewer rows may take another
-BLAS kernel), so it is off by default, and its test checks only that, switched on, it stays within float rounding.
+family, in bfloat16 (where a split term also reads its write whole, for the self-check) on one family of each
+group.
 """
 
 from __future__ import annotations
@@ -23,17 +22,15 @@ import inspect
 import pytest
 import torch
 from conftest import FAST_FAMILIES, fast_sweep, tiny_model
-from test_positions import batch_bound, batch_ratio
 
 import dla_recipes
 from dla_recipes import api
-from dla_recipes.math import frozen_norm, linalg
 from dla_recipes.plan import build_plan
 from dla_recipes.testing import tiny
 from dla_recipes.trace import plain, recipe
 from dla_recipes.transport import batches, session
 
-# Four prompts of 12 tokens: 48 sites at position="all", past DEDUPE_ROWS (32) in one batch on every family (the
+# Four prompts of 12 tokens: 48 sites at position="all", in one batch on every family (the
 # padding-unsafe ones group prompts of one length: the same single batch), one target at every site.
 PROMPTS = [" ".join(f"w{5 + (k * 7 + j) % 90}" for j in range(12)) for k in range(4)]
 SPLITS = ("head", "neuron")
@@ -41,8 +38,6 @@ SPLITS = ("head", "neuron")
 
 def slow_paths(monkeypatch) -> None:
     """Switch every fast path off (see the module docstring) until ``monkeypatch`` undoes it."""
-    monkeypatch.setattr(linalg, "DEDUPE_ROWS", 0)  # every pull-back row by row's own product (the default)
-    monkeypatch.setattr(frozen_norm, "KEEP_PROBES", False)  # every norm probed anew in every call
     monkeypatch.setattr(api, "token_ids", lambda model, plan, prompts: None)  # group and prepare tokenize anew
     monkeypatch.setattr(batches, "remembered", lambda tokenizer, key, compute: compute())
     monkeypatch.setattr(session, "keeps_logits",
@@ -53,8 +48,8 @@ def slow_paths(monkeypatch) -> None:
 
 def call(model, by: str, fast=True):
     """``fast=False``: the per-call fast paths off too (``question.Fast``: no record reused, no batches kept, no
-    lane: every call makes what depends on the weights and targets anew, prepares its prompts anew and scores each
-    term on its own)."""
+    lane, no kept probe: every call makes what depends on the weights and targets anew, prepares its prompts anew,
+    scores each term on its own and probes every norm anew)."""
     return dla_recipes.attribute(model, PROMPTS, "w20", position="all", by=by, fast=fast)
 
 
@@ -85,29 +80,6 @@ def test_fast_paths_change_no_number(family, monkeypatch):
 def test_fast_paths_change_no_number_in_bfloat16(family, monkeypatch):
     hf = tiny.build(family).to(torch.bfloat16)
     same_with_and_without(dla_recipes.load(hf, tokenizer=tiny.tokenizer(), device_map="cpu"), family, monkeypatch)
-
-
-def test_the_dedupe_is_off_and_only_rounding_when_on(monkeypatch):
-    """The pull-back dedupe is off by default (it is not bit-identical: a product of fewer rows may take another BLAS
-    kernel); switched on, the sites above do reach it and it moves no part past float rounding."""
-    assert linalg.DEDUPE_ROWS == 0
-    model = tiny_model("inkling")  # where the dedupe's product differs in its last bits (measured: up to 7.5e-8)
-    plain = call(model, "head").sites
-    seen = []
-    original = linalg.rowwise
-
-    def spy(u, f):
-        seen.append(u.shape[0] >= linalg.DEDUPE_ROWS and torch.unique(u, dim=0).shape[0] <= u.shape[0] // 2)
-        return original(u, f)
-
-    monkeypatch.setattr(linalg, "DEDUPE_ROWS", 32)
-    monkeypatch.setattr(linalg, "rowwise", spy)
-    deduped = call(model, "head").sites
-    assert seen and any(seen)
-    # two float32 products of the same pull-back: both within their rounding of the site's logit (batch_bound)
-    t = model.tokenizer.convert_tokens_to_ids("w20")
-    limit = batch_bound(model, list(plain.prompts), lambda b, p, z: z[p, t], [int(p) for p in plain.positions])
-    assert batch_ratio(deduped.values, plain.values, limit) <= 1
 
 
 def test_the_lane_is_taken_where_every_term_is_plain(monkeypatch):

@@ -110,7 +110,6 @@ def identity_probe(width: int, device=None) -> NormProbe:
 
 
 PROBED = "_dla_recipes_probe"  # the attribute of a norm module that keeps its last probe (probe_norm)
-KEEP_PROBES = True  # False: every probe_norm call probes anew (tests/test_fast_paths.py: the same numbers)
 
 
 def _probe_key(module, d_model: int) -> tuple:
@@ -133,11 +132,18 @@ def probe_norm(norm, width: int | None = None) -> NormProbe:
     d_model = _width(module, width)
     key = _probe_key(module, d_model)
     kept = module.__dict__.get(PROBED)
-    if KEEP_PROBES and kept is not None and kept[0] == key:
+    if kept is not None and kept[0] == key:
         return kept[1]
     probe = _probe(norm, module, d_model)
     module.__dict__[PROBED] = (key, probe)
     return probe
+
+
+def forget_probes(module) -> None:
+    """Drop the probe every norm of ``module`` keeps (a call asked with ``fast=Fast(probes=False)``: each norm is
+    probed anew, the general path; ``tests/test_fast_paths.py``: the same numbers)."""
+    for child in module.modules():
+        child.__dict__.pop(PROBED, None)
 
 
 def _probe(norm, module, d_model: int) -> NormProbe:

@@ -89,51 +89,7 @@ def linear_pullback(module, u: torch.Tensor, transposed: bool):
         blocks = weight.view(groups, -1, weight.shape[-1])  # [G, out / G, in]
         parts = u.view(u.shape[0], groups, -1)
         return torch.cat([matmul_f32(parts[:, g], blocks[g]) for g in range(groups)], -1), constant
-    return rowwise(u, lambda rows: matmul_f32(rows, weight, transpose=transposed)), constant
-
-
-# From this many rows, equal rows of a pull-back are computed once; 0 (the default): never. Off because it is not
-# bit-identical: a product of k distinct rows may take another BLAS kernel than the product of all n rows (measured
-# on this CPU: 5 of 144 rows through a 64-wide projection, inkling, rows differ by up to 7.5e-8), and the fast paths
-# must change no number (tests/test_fast_paths.py). Set it (e.g. 32) to trade the last bits for a smaller product.
-DEDUPE_ROWS = 0
-DEDUPE_SAVING = 8  # ... when at least 1 row in DEDUPE_SAVING is a repeat (else the gather costs more than it saves)
-MIN_ROWS = 4  # a product of fewer rows takes another BLAS path (gemv) whose rounding differs: padded to this many
-
-
-def distinct_rows(u: torch.Tensor):
-    """``(first [k], inverse [n])`` long: the first row of each distinct row of ``u`` ``[n, d]`` (equal bit for bit)
-    and each row's group, ``u[first][inverse]`` equal to ``u`` bit for bit; None when a hash collision could not be
-    ruled out (then no row is shared). One pass over ``u`` (a hash of each row's bits, sorted in 1-D, then checked),
-    where ``torch.unique(dim=0)`` compares rows one pair at a time (milliseconds a call on 500 rows)."""
-    bits = u.contiguous().view(torch.int32) if u.dtype == torch.float32 else u.contiguous().view(torch.int16)
-    generator = torch.Generator().manual_seed(0)
-    weights = torch.randint(-(2**62), 2**62, (u.shape[-1],), generator=generator, dtype=torch.int64)
-    keys = (bits.long() * weights.to(bits.device)).sum(-1)  # wraps around modulo 2^64: a hash of the row's bits
-    _, inverse = torch.unique(keys, return_inverse=True)
-    first = torch.full((int(inverse.max()) + 1,), u.shape[0], dtype=torch.long, device=u.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(u.shape[0], device=u.device), "amin")
-    if not torch.equal(bits[first][inverse], bits):  # two different rows hashed alike: share nothing
-        return None
-    return first, inverse
-
-
-def rowwise(u: torch.Tensor, f):
-    """``f(u)`` for a function ``f`` of each row of ``u`` ``[n, d]`` alone, computing each distinct row once: the
-    sites of a call often share their direction (one target at every position, a few distinct next tokens), and the
-    pull-back through a projection is the recipe's largest product.
-
-    Off unless ``DEDUPE_ROWS`` is set: a shared row equals ``f(u)``'s to float rounding, not always bit for bit (the
-    BLAS library may pick another kernel for the fewer rows, on the CPU too)."""
-    if u.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not DEDUPE_ROWS or u.shape[0] < max(DEDUPE_ROWS, MIN_ROWS):
-        return f(u)
-    found = distinct_rows(u)
-    if found is None or found[0].shape[0] * DEDUPE_SAVING > u.shape[0] * (DEDUPE_SAVING - 1):
-        return f(u)  # mostly distinct: the gather would cost more than the rows it saves
-    first, inverse = found
-    if first.shape[0] < MIN_ROWS:  # pad with the first rows, so the product takes the many-row path
-        first = torch.cat([first, torch.arange(MIN_ROWS - first.shape[0], device=first.device) % u.shape[0]])
-    return f(u.index_select(0, first)).index_select(0, inverse)  # index_select: advanced indexing's copy, faster
+    return matmul_f32(u, weight, transpose=transposed), constant
 
 
 def relative_gap(rebuilt: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
