@@ -61,6 +61,7 @@ from . import features
 from .args import Check, Granularity
 from .errors import InputError, TraceUsageError
 from .families import family_of
+from .math.frozen_norm import forget_probes
 from .plan.build import plan_for
 from .plan.plan import Plan
 from .question import ask
@@ -253,6 +254,8 @@ def trace_attribution(
     encoding = _batched_encoding(tracer)
     model = tracer.envoy
     batch = prepare_encoding(model, encoding, target, contrast, position)
+    if not question.fast.probes:  # the general path: every norm probed anew
+        forget_probes(getattr(model, "_module", model))
     plan = plan_for(model, family_of(model))  # not build_plan's cache: remotely this runs on the server
     if question.dictionaries is not None:
         plan = features.attach(model, plan, question.dictionaries)
