@@ -1,4 +1,5 @@
-"""The package layout report: import cycles, private names used across modules, the largest modules, docstrings.
+"""The package layout report: import cycles, private names used across modules, the largest modules, docstrings,
+functions over 6 parameters and calls with more than 6 positional arguments (the public verbs exempt).
 
     python benchmarks/layout_report.py          # exit status 1 when any rule is broken
 
@@ -22,6 +23,8 @@ def main() -> int:
     long = rules.long_modules(modules)
     undocumented = rules.missing_docstrings(modules)
     against = rules.stage_violations(modules)
+    wide = rules.long_signatures(modules)
+    calls = rules.long_calls(modules)
     edges = sum(len(m.edges) for m in modules.values())
     local = sum(1 for m in modules.values() for e in m.edges if e.where != "module level")
 
@@ -34,6 +37,8 @@ def main() -> int:
         (f"imports against the order of the stages: {len(against)}", against),
         (f"modules over {rules.MAX_LINES} lines: {len(long)}", long),
         (f"modules without a docstring: {len(undocumented)}", undocumented),
+        (f"functions over {rules.MAX_PARAMS} parameters: {len(wide)}", wide),
+        (f"calls with more than {rules.MAX_PARAMS} positional arguments: {len(calls)}", calls),
     ]
     for title, lines in sections:
         print(f"\n{title}")

@@ -140,7 +140,7 @@ class Components(Sequence):
             index = index[offset]
         elif isinstance(source, range):
             source = source[offset]
-        return Component(layer, term, part, index, source, expert, upstream)
+        return Component(layer, term, part, index, source=source, expert=expert, upstream=upstream)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, Components) and self.runs == other.runs:

@@ -49,6 +49,7 @@ precision bound is the model's own rounding; a gap far beyond it is a write the 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -152,6 +153,19 @@ def _where(names, row: int) -> str:
     return names[row] if names is not None and row < len(names) else f"prompt {row}"
 
 
+class Held(NamedTuple):
+    """What a readout is held to, as ``self_check`` was asked: the ``plan``, the granularity ``by``, the ``dtype``
+    the model computed in, the user's ``tolerance`` (None: the derived bound), whether the call may carry an edit
+    (``edits``) and each row's name for the messages (``names``)."""
+
+    plan: object
+    by: str
+    dtype: torch.dtype
+    tolerance: float | None
+    edits: bool
+    names: object
+
+
 def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
                labels: list[str] | None = None, edits: bool = False, names=None) -> tuple[float, dict]:
     """Check ``readout`` (see the module docstring); return ``(error, diagnostics)`` or raise.
@@ -172,7 +186,7 @@ def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, toler
     total = readout.values.sum(-1) + readout.constant
     _nonfinite(readout, labels, plan, dtype, total)
     try:
-        return _checked(readout, plan, by, dtype, tolerance, edits, names, total)
+        return _checked(readout, Held(plan, by, dtype, tolerance, edits, names), total)
     except ExactnessError as error:
         cause = autocast(readout, dtype)
         if cause is None:
@@ -191,10 +205,10 @@ def autocast(readout, dtype: torch.dtype) -> str | None:
             f"{str(params).removeprefix('torch.')}; the bound is {str(dtype).removeprefix('torch.')}'s rounding)")
 
 
-def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None, edits: bool, names,
-             total: torch.Tensor):
+def _checked(readout, held: Held, total: torch.Tensor):
     """Steps 2 to 5 of the module docstring (``self_check``'s, after the finite check); ``total`` ``[batch]`` the
     parts' sum plus the constant."""
+    plan, by, dtype, tolerance, edits, names = held
     error = float((total - readout.logit).abs().max())
     u = unit_roundoff(dtype)
     floor = float32_bound(readout)
@@ -207,7 +221,7 @@ def _checked(readout, plan, by: str, dtype: torch.dtype, tolerance: float | None
     _check_head(readout, plan, u, tolerance)
     if by == "source":
         _check_pattern(readout, plan, u, edits)
-    _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names)
+    _check_split(readout, held, u, floor, bound)
     if tolerance is None:
         _check_adds(readout, plan, dtype, edits, names)
     gaps = (total + readout.split_gap - readout.logit).abs()
@@ -316,8 +330,9 @@ def _term_label(plan, code: float) -> str:
         return f"block {layer}'s term {k}"
 
 
-def _check_split(readout, plan, by, dtype, u, floor, bound, tolerance, names=None) -> None:
+def _check_split(readout, held: Held, u, floor, bound) -> None:
     """Each checked split term's parts and bias explain what it wrote, to its own rounding (step 3), or raise."""
+    plan, by, dtype, tolerance, _, names = held
     parts = {"head": "heads", "neuron": "neurons"}.get(by, "parts")
     if tolerance is None:
         gap, allowed = readout.split_worst_gap.abs(), floor + readout.split_worst_allowed

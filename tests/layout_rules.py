@@ -17,6 +17,10 @@ Every module of ``dla_recipes/`` (``testing/`` included) is parsed, and four rul
    Dunder names (``__version__``) are not private.
 3. **No module over** ``MAX_LINES`` lines.
 4. **Every module starts with a docstring.**
+5. **No function over** ``MAX_PARAMS`` **parameters, no call with more than** ``MAX_PARAMS`` **positional
+   arguments** (``self`` / ``cls`` not counted; keyword-only parameters, ``*args`` and ``**kwargs`` counted; a
+   starred argument ``f(*xs)`` counts as one). What travels together goes in a small frozen record, a long call
+   names its arguments; only the public verbs of ``PUBLIC_VERBS`` are exempt.
 """
 
 from __future__ import annotations
@@ -274,6 +278,58 @@ def private_imports(modules: dict[str, Module]) -> list[str]:
 def _by_file_and_line(text: str) -> tuple[str, int]:
     path, line, _ = text.split(":", 2)
     return path, int(line)
+
+
+# -- rule 5: parameters and positional arguments ---------------------------------------------------------------------
+
+MAX_PARAMS = 6
+# The public verbs keep every option as an explicit keyword-only parameter by design: a user reads them in the
+# signature and the docs, and ``question.ask`` resolves them into one ``Question`` at once. The in-trace recipe's
+# parameters past the sixth are keyword-only too. Exempt by qualified name ("module:function"), nothing else.
+PUBLIC_VERBS = (
+    "dla_recipes.api:attribute",
+    "dla_recipes.direction:attribute_direction",
+    "dla_recipes.generation:attribute_generation",
+    "dla_recipes.scores:attribute_scores",
+    "dla_recipes.datasets:attribute_dataset",
+    "dla_recipes.in_trace:trace_attribution",
+    "dla_recipes.trace.recipe:direct_logit_attribution",
+)
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters: positional-only, positional, keyword-only, ``*args`` and ``**kwargs``; a first
+    parameter named ``self`` or ``cls`` not counted."""
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + bool(a.vararg) + bool(a.kwarg)
+
+
+def long_signatures(modules: dict[str, Module], limit: int = MAX_PARAMS,
+                    exempt: tuple[str, ...] = PUBLIC_VERBS) -> list[str]:
+    """Every function (method, nested function) of more than ``limit`` parameters, but the ``exempt`` ones."""
+    found = []
+    for module in modules.values():
+        for node in ast.walk(module.tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            count = parameter_count(node)
+            if count > limit and f"{module.name}:{node.name}" not in exempt:
+                found.append(f"{module.file}:{node.lineno}: {node.name} has {count} parameters (limit {limit})")
+    return sorted(found, key=_by_file_and_line)
+
+
+def long_calls(modules: dict[str, Module], limit: int = MAX_PARAMS) -> list[str]:
+    """Every call with more than ``limit`` positional arguments (name them, or pass a record)."""
+    found = []
+    for module in modules.values():
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Call) and len(node.args) > limit:
+                found.append(f"{module.file}:{node.lineno}: a call of {ast.unparse(node.func)} with {len(node.args)} "
+                             f"positional arguments (limit {limit})")
+    return sorted(found, key=_by_file_and_line)
 
 
 # -- rules 3 and 4 ----------------------------------------------------------------------------------------------------

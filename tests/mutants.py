@@ -49,7 +49,7 @@ def on_parts(mode: str, change: Callable):
         @functools.wraps(original)
         def mutated(*args, **kwargs):
             result = original(*args, **kwargs)
-            if bound(original, args, kwargs).arguments["mode"] != mode:
+            if bound(original, args, kwargs).arguments["term"].mode != mode:
                 return result
             parts, rest = change(result[0], result[1])
             return (parts, rest, *result[2:])
@@ -64,7 +64,7 @@ def negate_term(name: str):
         @functools.wraps(original)
         def mutated(*args, **kwargs):
             result = original(*args, **kwargs)
-            if bound(original, args, kwargs).arguments["planned"].term.name != name:
+            if bound(original, args, kwargs).arguments["term_at"].planned.term.name != name:
                 return result
             return (-result[0], *result[1:])
         return mutated
@@ -131,16 +131,16 @@ PLAIN = "dla_recipes.trace.plain:products"
 FEATURES = "dla_recipes.trace.kinds.features:split"
 MUTANTS: dict[str, Mutant] = {m.name: m for m in (
     Mutant("neurons_rolled", "each neuron's part moved to the next neuron of its block (sums unchanged)",
-           f"{LINEAR}:score", on_parts("neurons", lambda parts, rest: (parts.roll(1, -1), rest)), ("mode",)),
+           f"{LINEAR}:score", on_parts("neurons", lambda parts, rest: (parts.roll(1, -1), rest)), ("term",)),
     Mutant("heads_permuted", "each block's head parts in reverse order (sums unchanged)",
-           f"{LINEAR}:score", on_parts("heads", lambda parts, rest: (parts.flip(-1), rest)), ("mode",)),
+           f"{LINEAR}:score", on_parts("heads", lambda parts, rest: (parts.flip(-1), rest)), ("term",)),
     Mutant("experts_rolled", "each routed expert's part moved to the next expert of its block (sums unchanged)",
            "dla_recipes.trace.kinds.experts:score", on_parts("experts", lambda parts, rest: (parts.roll(1, -1), rest)),
-           ("mode",)),
+           ("term",)),
     Mutant("neuron_signs_into_rest", "every neuron's part negated, the difference put in its block's rest (sums "
-           "unchanged)", f"{LINEAR}:score", on_parts("neurons", sign_into_rest), ("mode",)),
+           "unchanged)", f"{LINEAR}:score", on_parts("neurons", sign_into_rest), ("term",)),
     Mutant("mlp_negated", "the mlp term's whole score negated (its parts and rest)",
-           "dla_recipes.trace.terms:score_term", negate_term("mlp"), ("planned",)),
+           "dla_recipes.trace.terms:score_term", negate_term("mlp"), ("term_at",)),
     Mutant("projection_input_one_earlier", "the output projections' inputs read one position before the attributed "
            "one", f"{LINEAR}:read", one_position_earlier, ("sites",)),
     Mutant("norms_frozen_one_earlier", "the post-norms (and stream norms) frozen at the position before the "

@@ -1,6 +1,7 @@
 """The package layout rules of the redesign (issue 16), read from the source with ``ast``: no import cycle between
 package modules (function-local imports included), no private name used across modules, no module over 400 lines,
-a docstring at the top of every module. The rules and how imports are counted: ``layout_rules.py``; the same report
+a docstring at the top of every module, no function over 6 parameters and no call with more than 6 positional
+arguments (the public verbs exempt). The rules and how imports are counted: ``layout_rules.py``; the same report
 for a person: ``benchmarks/layout_report.py``."""
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def test_no_module_over_the_line_limit(modules):
 def test_every_module_starts_with_a_docstring(modules):
     found = rules.missing_docstrings(modules)
     assert not found, "modules without a docstring:\n" + "\n".join(found)
+
+
+def test_no_function_over_the_parameter_limit(modules):
+    found = rules.long_signatures(modules)
+    assert not found, (f"functions over {rules.MAX_PARAMS} parameters (group what travels together in a small "
+                       "frozen record):\n" + "\n".join(found))
+
+
+def test_no_call_over_the_positional_limit(modules):
+    found = rules.long_calls(modules)
+    assert not found, (f"calls with more than {rules.MAX_PARAMS} positional arguments (name them):\n"
+                       + "\n".join(found))
 
 
 # -- the rules themselves, on a small made-up package -----------------------------------------------------------------
@@ -119,3 +132,45 @@ def test_an_import_up_the_stages_is_found(modules):
     broken = {**modules, build.name: replace(build, edges=[*build.edges, up])}
     assert [line for line in rules.stage_violations(broken) if line.startswith("plan -> face")]
     assert not rules.stage_violations(modules)
+
+
+WIDE = """\"\"\"Planted.\"\"\"
+def wide(a, b, c, d, e, f, g):
+    return a
+
+
+def narrow(a, b, c, d, e, *, f):
+    return wide(a, b, c, d, e, f, 7)
+
+
+class Thing:
+    def method(self, a, b, c, d, e, f):  # self is not counted: 6
+        return narrow(a, b, c, d, e, f=f)
+
+    def spread(self, a, *args, **kwargs):  # *args and **kwargs count: 3
+        return narrow(*args, a, b=1, c=2, d=3, e=4, f=5)
+
+
+def keywords(a, b, c, d, e, *, f, g):  # keyword-only parameters count: 7
+    return a
+
+
+def attribute(a, b, c, d, e, f, g, h):  # a public verb: exempt by its qualified name
+    return a
+"""
+
+
+def test_long_signatures_and_calls_are_found(modules):
+    """The parameter rule can fail: a planted module's functions over 6 parameters and its call with 7 positional
+    arguments are reported, naming the file and line; a public verb (``PUBLIC_VERBS``) is not."""
+    import ast
+    from dataclasses import replace
+
+    api = modules["dla_recipes.api"]
+    planted = {api.name: replace(api, tree=ast.parse(WIDE))}  # the planted module alone
+    signatures = rules.long_signatures(planted)
+    assert signatures == ["dla_recipes/api.py:2: wide has 7 parameters (limit 6)",
+                          "dla_recipes/api.py:18: keywords has 7 parameters (limit 6)"], signatures
+    assert rules.long_calls(planted) == [
+        "dla_recipes/api.py:7: a call of wide with 7 positional arguments (limit 6)"], rules.long_calls(planted)
+    assert "attribute has 8" in "\n".join(rules.long_signatures(planted, exempt=()))

@@ -125,7 +125,8 @@ class Dictionary:
         """A copy with every weight moved (``device=``, ``dtype=``)."""
         encoder = self.encoder.to(**kwargs) if isinstance(self.encoder, Encoder) else self.encoder
         return Dictionary(self.W_dec.to(**kwargs), self.b_dec.to(**kwargs), encoder,
-                          None if self.W_skip is None else self.W_skip.to(**kwargs), self.reads, self.hook, self.keep)
+                          W_skip=None if self.W_skip is None else self.W_skip.to(**kwargs), reads=self.reads,
+                          hook=self.hook, keep=self.keep)
 
 
 def site_of_hook(name) -> str | None:

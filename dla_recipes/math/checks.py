@@ -8,6 +8,9 @@ per site) in logit units, ``u`` the unit roundoff of the dtype the model compute
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from .rounding import SIGMAS
@@ -33,23 +36,41 @@ def split_sum_bound(floor: torch.Tensor, u, split_noise: torch.Tensor, sigmas: f
     return floor + u * sigmas * split_noise
 
 
-def site_ratios(total, logit, split_gap, split_noise, worst_gap, worst_allowed, logit_size, head_noise, stream_noise,
-                u, tolerance: float | None = None) -> torch.Tensor:
+class SplitGaps(NamedTuple):
+    """The split terms' per-site gaps, each ``[n]``: ``gap`` and ``noise`` (their summed gap and its squared
+    rounding noise), ``worst_gap`` and ``worst_allowed`` (the worst single split term's gap and what it may be)."""
+
+    gap: torch.Tensor
+    noise: torch.Tensor
+    worst_gap: torch.Tensor
+    worst_allowed: torch.Tensor
+
+
+class Sizes(NamedTuple):
+    """What the model's own rounding is sized with at each site, each ``[n]`` (``precision_of``'s): the logit's
+    size, the final norm's output noise and the residual adds' noise."""
+
+    logit_size: torch.Tensor
+    head_noise: torch.Tensor
+    stream_noise: torch.Tensor
+
+
+def site_ratios(total, logit, split: SplitGaps, sizes: Sizes, u, tolerance: float | None = None) -> torch.Tensor:
     """``[n]``: each site's largest gap over what its check allows (> 1: the self-check fails there), over the
     three per-site checks: the sum (``total`` = parts + constant, against ``logit``), the split terms' summed gap,
     and (derived bound only) the worst single split term. NaN where a number is not finite."""
     floor = relative_bound(logit)
-    derived = floor + precision_of(u, logit_size, head_noise, stream_noise)
+    derived = floor + precision_of(u, sizes.logit_size, sizes.head_noise, sizes.stream_noise)
     bound = derived if tolerance is None else relative_bound(logit, tolerance)
-    ratio = (total + split_gap - logit).abs() / bound
-    split_bound = split_sum_bound(floor, u, split_noise) if tolerance is None else bound
-    ratio = torch.maximum(ratio, split_gap.abs() / split_bound)
+    ratio = (total + split.gap - logit).abs() / bound
+    split_bound = split_sum_bound(floor, u, split.noise) if tolerance is None else bound
+    ratio = torch.maximum(ratio, split.gap.abs() / split_bound)
     if tolerance is None:
-        ratio = torch.maximum(ratio, worst_gap.abs() / (floor + worst_allowed))
+        ratio = torch.maximum(ratio, split.worst_gap.abs() / (floor + split.worst_allowed))
     return ratio
 
 
-def nonfinite_sites(*rows: torch.Tensor) -> torch.Tensor:
+def nonfinite_sites(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[n]`` bool: the sites where any of ``rows`` (each ``[n]`` or ``[n, k]``) is not finite."""
     bad = torch.zeros(rows[0].shape[0], dtype=torch.bool, device=rows[0].device)
     for row in rows:

@@ -239,10 +239,13 @@ def plan_for(model, family: Family) -> Plan:
                     parts, width = in_features, 1
             parallel = bool(getattr(config, term.parallel)) if isinstance(term.parallel, str) else term.parallel
             planned.append(
-                PlannedTerm(term, multiplier, parts, width, transposed, experts, expert_width, shared_width, parallel,
-                            routed_scale, shared_scale, scalar(term.stream.multiplier, config, i),
-                            scalar(getattr(split, "projection_multiplier", None), config, i), kind_of(term),
-                            bare_modes(layer, term, term.write.outer_norm not in outer, k == len(terms) - 1))
+                PlannedTerm(term, multiplier=multiplier, parts=parts, part_width=width, transposed=transposed,
+                            experts=experts, expert_width=expert_width, shared_width=shared_width, parallel=parallel,
+                            routed_scale=routed_scale, shared_scale=shared_scale,
+                            stream_multiplier=scalar(term.stream.multiplier, config, i),
+                            projection_multiplier=scalar(getattr(split, "projection_multiplier", None), config, i),
+                            kind=kind_of(term),
+                            bare=bare_modes(layer, term, term.write.outer_norm not in outer, k == len(terms) - 1))
             )
             outer.add(term.write.outer_norm)
         layers.append(tuple(planned))

@@ -180,8 +180,10 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
     kv_heads = kv_width // head_dim
     if kv_heads < 1 or heads % kv_heads:
         refuse(plan, f"its key projection is {kv_width} wide, not a whole number of {head_dim}-wide key heads")
-    return ScoreSpec(layer, index, index // (heads // kv_heads), heads, kv_heads, head_dim, attention_path, term.reads,
-                     "q_proj", "k_proj", q_norm, k_norm, stop, by, components(plan, stop, by), rotary_of(plan, module))
+    return ScoreSpec(layer=layer, head=index, kv_head=index // (heads // kv_heads), heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, attention=attention_path, ln1=term.reads, q_proj="q_proj", k_proj="k_proj",
+                     q_norm=q_norm, k_norm=k_norm, stop=stop, by=by, labels=components(plan, stop, by),
+                     rotary=rotary_of(plan, module))
 
 
 def rotary_of(plan: Plan, module) -> str | None:

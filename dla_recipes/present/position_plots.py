@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -64,19 +65,19 @@ def positions_heatmap(attr, prompt: int = 0, quantity: str | None = None):
     forward order from the top; heads / neurons / experts summed into their block, ``blocks()``) of the logit at
     each attributed position (x: the position, its token and the target token predicted there), diverging at 0.
     Masked positions (the prompt is shorter) are left out."""
-    b, rows, positions = prompt_sites(attr, prompt)
+    where = b, rows, _ = prompt_sites(attr, prompt)
     blocks = attr.blocks() if attr.by != "block" else attr
     z = blocks.sites.values[rows].T if rows else torch.zeros(len(blocks.labels), 0)  # [n_blocks, n_positions]
     title = heading(attr, b, f"Blocks by position ({attr.family})", quantity, len(rows))
-    return _heatmap(attr, b, rows, positions, list(blocks.labels), z, title, quantity, "positions_heatmap",
-                    "component (forward order)")
+    return _heatmap(attr, where, list(blocks.labels), z,
+                    Captions(title, quantity, "positions_heatmap", "component (forward order)"))
 
 
 def top_components_heatmap(attr, k: int = 12, prompt: int = 0, kind: str | None = None, quantity: str | None = None):
     """The ``k`` components (``kind``: ``"head"``, ``"neuron"``, ... only) with the largest ``|part|`` summed over
     one prompt's attributed positions (y, largest first) x those positions (x: token -> target), diverging at 0:
     e.g. an answer's tokens x its top heads (``attribute_generation(..., by="head")``)."""
-    b, rows, positions = prompt_sites(attr, prompt)
+    where = b, rows, _ = prompt_sites(attr, prompt)
     if kind is not None and kind not in KINDS:
         raise InputError(f"kind={kind!r}: use one of {', '.join(map(repr, KINDS))}, or None for all")
     columns = [i for i, c in enumerate(attr.components) if kind is None or KINDS[kind](c)]
@@ -87,13 +88,25 @@ def top_components_heatmap(attr, k: int = 12, prompt: int = 0, kind: str | None 
     z = values[:, order].T  # [k, n_positions]
     title = heading(attr, b, f"Top {len(order)} {kind or 'component'}s by position ({attr.family})", quantity,
                     len(rows))
-    return _heatmap(attr, b, rows, positions, [attr.labels[columns[i]] for i in order], z, title, quantity,
-                    "top_components_heatmap", "component (largest |part| first)")
+    return _heatmap(attr, where, [attr.labels[columns[i]] for i in order], z,
+                    Captions(title, quantity, "top_components_heatmap", "component (largest |part| first)"))
 
 
-def _heatmap(attr, b: int, rows, positions, labels: list, z: torch.Tensor, title: str, quantity, name: str,
-             ytitle: str):
-    """The figure of ``z`` ``[len(labels), len(rows)]``: rows ``labels`` x the prompt's sites."""
+class Captions(NamedTuple):
+    """A heatmap's words: its ``title``, the ``quantity`` plotted (None: the logit), the plot's ``name`` (its
+    ``dla_plot`` meta) and the y axis' title."""
+
+    title: str
+    quantity: str | None
+    name: str
+    ytitle: str
+
+
+def _heatmap(attr, where: tuple, labels: list, z: torch.Tensor, captions: Captions):
+    """The figure of ``z`` ``[len(labels), len(rows)]``: rows ``labels`` x the prompt's sites (``where``:
+    ``prompt_sites``' ``(b, rows, positions)``)."""
+    b, rows, positions = where
+    title, quantity, name, ytitle = captions
     go = plotly()
     targets = [attr.sites.target_tokens[r] if attr.sites.target_tokens else "" for r in rows]
     columns = [f"{p}: {token_at(attr, b, p)!r}<br>→ {t!r}" for p, t in zip(positions, targets)]

@@ -111,8 +111,8 @@ class AttributionStats:
         def f64(value):
             return torch.as_tensor(value, dtype=torch.float64).cpu()
 
-        stats = cls(tuple(labels), round(float(count)), f64(mean), f64(m2), f64(positive), f64(boot),
-                    f64(weight), f64(flip), **meta)
+        stats = cls(tuple(labels), round(float(count)), mean=f64(mean), m2=f64(m2), positive=f64(positive),
+                    boot=f64(boot), weight=f64(weight), flip=f64(flip), **meta)
         if stats.mean.shape != (len(stats.labels) + len(EXTRA),) or stats.boot.shape != stats.flip.shape:
             raise InputError(f"accumulators of {tuple(stats.mean.shape)} columns for {len(stats.labels)} labels "
                              f"(+ {', '.join(EXTRA)}); boot {tuple(stats.boot.shape)}, flip {tuple(stats.flip.shape)}")

@@ -56,7 +56,8 @@ def final_direction(model, plan: Plan, target: LinearTarget) -> Head:
     constant = plan.logit_scale * (dot(rows, probe.bias) + torch.as_tensor(head_bias).to(rows.device))
     logit_rows = own * plan.logit_scale if plan.logit_scale != 1 else own
     finite = (torch.isfinite(direction).all(-1) & torch.isfinite(logit_rows).all(-1)).float()
-    return Head(probe, direction, constant, own, logit_rows, finite, target.on(direction.device))
+    return Head(probe, direction, constant, rows=own, logit_rows=logit_rows, finite=finite,
+                target=target.on(direction.device))
 
 
 def softcap(z: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -120,14 +121,27 @@ def frozen_norm(norm, sites: Sites, fits: list, heads: int, seq: int) -> list:
     return frozen
 
 
-def side(proj, norms: list, normed: torch.Tensor, bias: torch.Tensor, part: slice, index: int, width: int,
-         head_dim: int, rotary: tuple, real: torch.Tensor):
-    """``(vectors [m, C + 1, head_dim], gap [])``: each component's query (or key) of head ``index`` at the sites
-    ``part``, then what no component wrote, through the projection, the frozen q/k norm (the reading of ``norms``
-    rebuilding ``real``, the attention call's own, best) and the rotary (``(module name, cos, sin)``: the model's
-    own ``apply_rotary_pos_emb`` at each site's position, read as ``rotations`` says; cos None: no rotary); ``gap``
-    is the rebuild's. The best reading is chosen on the device (``torch.where``: the first of the smallest gap), so
-    nothing is read on the host while the forward pass runs."""
+class Side(NamedTuple):
+    """One side of a head's score, the query or the key: its projection ``proj``, its frozen q/k norm's readings
+    ``norms`` (``frozen_norm``'s; None: no norm), the sites it is read at (``part``, a slice of the sites), the head
+    (``index`` of ``width`` heads) and the attention call's own vectors there (``real`` ``[m, head_dim]``)."""
+
+    proj: object
+    norms: list | None
+    part: slice
+    index: int
+    width: int
+    real: torch.Tensor
+
+
+def side(of: Side, normed: torch.Tensor, bias: torch.Tensor, head_dim: int, rotary: tuple):
+    """``(vectors [m, C + 1, head_dim], gap [])``: each component's query (or key) of head ``of.index`` at the sites
+    ``of.part``, then what no component wrote, through the projection, the frozen q/k norm (the reading of
+    ``of.norms`` rebuilding ``of.real``, the attention call's own, best) and the rotary (``(module name, cos, sin)``:
+    the model's own ``apply_rotary_pos_emb`` at each site's position, read as ``rotations`` says; cos None: no
+    rotary); ``gap`` is the rebuild's. The best reading is chosen on the device (``torch.where``: the first of the
+    smallest gap), so nothing is read on the host while the forward pass runs."""
+    proj, norms, part, index, width, real = of
     home, cos, sin = rotary
     x = qk.project(normed[part], proj.weight)  # [m, C, heads * head_dim]
     x0 = qk.project(bias[None], proj.weight).expand(x.shape[0], -1)
@@ -228,10 +242,10 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
             normed = qk.frozen_linear(frozen.gain, frozen.centers, frozen.scale[:, None], written)
             q_proj, k_proj = module_at(attention, spec.q_proj), module_at(attention, spec.k_proj)
             rotary = (spec.rotary, cos, sin)
-            q_side, q_error = side(q_proj, q_norm, normed, frozen.bias, slice(0, n), spec.head, spec.heads,
-                                   spec.head_dim, rotary, real_q)
-            k_side, k_error = side(k_proj, k_norm, normed, frozen.bias, slice(n, None), spec.kv_head, spec.kv_heads,
-                                   spec.head_dim, rotary, real_k)
+            q_side, q_error = side(Side(q_proj, q_norm, slice(0, n), spec.head, spec.heads, real_q), normed,
+                                   frozen.bias, spec.head_dim, rotary)
+            k_side, k_error = side(Side(k_proj, k_norm, slice(n, None), spec.kv_head, spec.kv_heads, real_k), normed,
+                                   frozen.bias, spec.head_dim, rotary)
             k_side = k_side.view(n, keys, *k_side.shape[1:])
             values, constant = qk.score_matrix(q_side[:, :-1], q_side[:, -1], k_side[:, :, :-1], k_side[:, :, -1],
                                                scaling)
@@ -246,7 +260,8 @@ def score_attribution(model, plan: Plan, spec: ScoreSpec, q_positions: torch.Ten
         # the end of the forward pass (the later blocks, the head): the one copy to the host below then waits for no
         # kernel the model still has to run
         model.output  # noqa: B018 (a read, not a useless expression: the trace waits here for the forward to end)
-        return ScoreReadout.gathered(values, constant + bias, score + bias, allowed.float(), size, qk_size, checks)
+        return ScoreReadout(values, constant + bias, score + bias, allowed=allowed.float(), size=size, qk_size=qk_size,
+                            checks=checks).gathered()
 
 
 class SitesNorm:
@@ -299,14 +314,13 @@ class ScoreReadout:
     checks: torch.Tensor
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
-    @classmethod
-    def gathered(cls, *fields: torch.Tensor) -> ScoreReadout:
-        """The readout of a trace, brought to the host in one copy: ``fields`` (in field order, on the device) packed
-        into one tensor there and copied to the host once, after the forward pass: the only time the trace waits
-        for the device."""
-        n, keys, count = fields[0].shape[:3]
-        host = cls(*fields).pack().cpu()
-        return cls.unpack(host, n, keys, count)
+    def gathered(self) -> ScoreReadout:
+        """This readout of a trace, brought to the host in one copy: its fields (on the device) packed into one
+        tensor there and copied to the host once, after the forward pass: the only time the trace waits for the
+        device."""
+        n, keys, count = self.values.shape[:3]
+        host = self.pack().cpu()
+        return type(self).unpack(host, n, keys, count)
 
     def pack(self) -> torch.Tensor:
         """One flat float32 tensor on ``values``' device (``ScoreCall.unpack`` reads it back)."""

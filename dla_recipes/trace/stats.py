@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..math.checks import nonfinite_sites, site_ratios
+from ..math.checks import Sizes, SplitGaps, nonfinite_sites, site_ratios
 from ..math.stats import accumulate, merged
 from .readout import Readout
 
@@ -98,12 +98,13 @@ def worst_sites(readout: Readout, keep: int, tolerance: float | None) -> torch.T
     total = r.values.sum(-1) + r.constant
     n = total.shape[0]
     u = r.unit_roundoff.reshape(-1).expand(n)
-    ratio = site_ratios(total, r.logit, r.split_gap, r.split_noise, r.split_worst_gap, r.split_worst_allowed,
-                        r.logit_size.reshape(-1).expand(n), r.head_noise, r.stream_noise, u, tolerance)
+    split = SplitGaps(r.split_gap, r.split_noise, r.split_worst_gap, r.split_worst_allowed)
+    ratio = site_ratios(total, r.logit, split, Sizes(r.logit_size.reshape(-1).expand(n), r.head_noise, r.stream_noise),
+                        u, tolerance)
     if tolerance is None:  # check="adds": a site whose adds fail is kept too (selfcheck holds them then)
         ratio = torch.maximum(ratio, r.add_ratio.reshape(-1).expand(n).to(ratio.device))
-    bad = nonfinite_sites(r.values, r.constant, r.logit, r.output_logit, r.scale, r.stream_noise, r.head_noise,
-                          ratio) | (r.first_nonfinite.reshape(-1).expand(n) >= 0)
+    bad = nonfinite_sites((r.values, r.constant, r.logit, r.output_logit, r.scale, r.stream_noise, r.head_noise,
+                           ratio)) | (r.first_nonfinite.reshape(-1).expand(n) >= 0)
     bad = bad | (r.finite_head.reshape(-1).expand(n) < 1)
     ratio = torch.where(bad, torch.full_like(ratio, float("inf")), ratio)
     chosen = bad.clone()
@@ -111,19 +112,20 @@ def worst_sites(readout: Readout, keep: int, tolerance: float | None) -> torch.T
     return chosen.nonzero()[:, 0]
 
 
-def reduce_readout(readout: Readout, index: torch.Tensor, seed: int, replicates: int, keep: int = 4,
-                   tolerance: float | None = None, pairs: torch.Tensor | None = None, device=None) -> StatsReadout:
-    """A batch's ``Readout`` (one row a site, ``index`` ``[n]`` int64 each site's sample) reduced: see the module
-    docstring. ``device``: where the replicate sums are computed (the model's: ``[R, n] @ [n, C]`` in float64)."""
+def reduce_readout(readout: Readout, call: StatsCall, device=None) -> StatsReadout:
+    """A batch's ``Readout`` (one row a site) reduced as ``call`` asks (its ``index`` ``[n]`` int64, each site's
+    sample, its ``seed``, ``replicates``, ``keep``, ``tolerance`` and ``pairs``): see the module docstring.
+    ``device``: where the replicate sums are computed (the model's: ``[R, n] @ [n, C]`` in float64)."""
+    index, pairs = call.index, call.pairs
     columns = stat_columns(readout)
     if pairs is not None:
         columns = columns[pairs[:, 0]] - columns[pairs[:, 1]]
         index = index[pairs[:, 0]]
     if device is not None:
         columns = columns.to(device)
-    acc = accumulate(columns, index, seed, replicates)
+    acc = accumulate(columns, index, call.seed, call.replicates)
     error = (readout.values.sum(-1) + readout.constant - readout.logit).abs().max()
-    sites = worst_sites(readout, keep, tolerance)
+    sites = worst_sites(readout, call.keep, call.tolerance)
     rows = Readout.unpack(Readout.pack(readout)[sites])  # dense (a LogitCall's own pack is the sparse wire)
     acc = {name: value.cpu() for name, value in acc.items()}
     return StatsReadout(error=error.double(), sites=sites, rows=rows,
@@ -154,8 +156,7 @@ class StatsCall:
         with torch.no_grad():
             readout = self.inner.run(model)
             device = model.lm_head.weight.device  # a GPU's float64 matmul; elsewhere (MPS has no float64) the CPU
-            return reduce_readout(readout, self.index, self.seed, self.replicates, self.keep, self.tolerance,
-                                  self.pairs, device if device.type == "cuda" else None)
+            return reduce_readout(readout, self, device if device.type == "cuda" else None)
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> StatsReadout:

@@ -30,7 +30,7 @@ from ..math.rounding import Rounding
 from ..plan.build import module_at
 from ..plan.plan import Plan, PlannedTerm, Stop
 from .adds import written_at
-from .kinds import conv, experts, features, linear, routed, sources
+from .kinds import TermAt, conv, experts, features, linear, routed, sources
 from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
@@ -146,13 +146,14 @@ def roundings(planned: PlannedTerm) -> int:
             + (planned.multiplier != 1.0 or term.write.scale is not None))
 
 
-def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: bool = True,
-              edits: bool = False, whole: bool = False) -> TermReads:
-    """Read, in forward order, what scoring this term needs at the attributed sites (a few ``[n, ...]``).
+def read_term(term_at: TermAt, sites: Sites, own: bool = True, edits: bool = False, whole: bool = False) -> TermReads:
+    """Read, in forward order, what scoring this term (``term_at``: its block, ``PlannedTerm`` and mode) needs at the
+    attributed sites (a few ``[n, ...]``).
 
-    ``mode``: ``planned.mode(by)`` (None: the term whole); ``own``: low precision (a checked split term reads its
+    ``term_at.mode``: ``planned.mode(by)`` (None: the term whole); ``own``: low precision (a checked split term reads its
     write whole too, for the self-check); ``edits``: every split term reads its write whole (its ``.edit`` column);
     ``whole``: every split term reads its write whole (the per-add check, ``math.adds``)."""
+    layer, planned, mode = term_at
     term, batch = planned.term, sites.batch
     reads = TermReads()
     if term.stream.norm is not None:  # the norm on the stream runs before this term's sublayer
@@ -178,23 +179,41 @@ def read_term(layer, planned: PlannedTerm, mode: str | None, sites: Sites, own: 
     return reads
 
 
-def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, v: torch.Tensor,
-               outer: FrozenNorm | None, outer_bias: bool, split: sources.SourceSplit | None = None,
-               edits: bool = False, memo=None):
+class Outer(NamedTuple):
+    """A shared outer norm a term's write goes through (``Term.write.outer_norm``), frozen at its real input, and
+    whether this term adds its bias (the first term scored through it does)."""
+
+    norm: FrozenNorm
+    biased: bool
+
+
+class Scoring(NamedTuple):
+    """How a block's split terms are scored: ``split`` (``by="source"``: the block's ``SourceSplit``) and ``edits``
+    (each split term's gap is a column of its own, before its rest)."""
+
+    split: sources.SourceSplit | None = None
+    edits: bool = False
+
+
+def score_term(term_at: TermAt, reads: TermReads, v: torch.Tensor, outer: Outer | None, how: Scoring,
+               memo=None):
     """``(scores [batch, parts + 1], rounding)``: the term's parts (heads, neurons, experts, head sources; none at
-    block level), then its rest, along ``v`` on the stream (with ``edits``, ``[batch, parts + 2]``: the parts, the
-    term's gap, its rest); ``rounding`` is a checked split term's ``(gap, squared noise)`` ``[batch]`` in low
-    precision, else None. ``split``: for ``mode="sources"``, the block's ``SourceSplit``.
+    block level), then its rest, along ``v`` on the stream (with ``how.edits``, ``[batch, parts + 2]``: the parts,
+    the term's gap, its rest); ``rounding`` is a checked split term's ``(gap, squared noise)`` ``[batch]`` in low
+    precision, else None. ``term_at``: the term (its block, ``PlannedTerm`` and mode); ``outer``: the shared outer norm
+    its write goes through (None: none); ``how.split``: for ``mode="sources"``, the block's ``SourceSplit``.
 
     ``memo(name, make)``: the call's ``Prepared`` for this term (``trace.prepared``): what depends only on the
     weights and ``v`` (the direction on the write; the kind's ``static`` pull-back where nothing input-dependent,
     an outer norm or a post-norm, stands between the projection and the stream) is made once and kept."""
+    layer, planned, mode = term_at
+    split, edits = how
     memo = memo or (lambda name, make: make())
     u, rest = memo("write", lambda: write_direction(layer, planned, v))
     if outer is not None:
-        if outer_bias:
-            rest = rest + dot(u, outer.bias)
-        u = outer.transpose(u)
+        if outer.biased:
+            rest = rest + dot(u, outer.norm.bias)
+        u = outer.norm.transpose(u)
     if mode is None:  # [batch, 1]; a rest of 0.0 (no bias) is not added
         score = dot(reads.value, u, keepdim=True)
         if not isinstance(rest, torch.Tensor):
@@ -213,12 +232,12 @@ def score_term(layer, planned: PlannedTerm, mode: str | None, reads: TermReads, 
     if static is not None and outer is None and reads.post_norm is None:
         pulled = memo(mode, lambda: static(layer, planned, mode, projected(layer, planned, u), rest))
         if pulled is not None:
-            parts, rest, _ = kind.score(layer, planned, mode, reads.parts, u, rest, split, pulled)
+            parts, rest, _ = kind.score(term_at, reads.parts, u, rest, split, pulled)
             return finished(parts, rest, written, noise, edits)
     if reads.post_norm is not None:
         rest = rest + dot(u, reads.post_norm.bias)
         u = reads.post_norm.transpose(u)
-    parts, rest, _ = kind.score(layer, planned, mode, reads.parts, projected(layer, planned, u), rest, split)
+    parts, rest, _ = kind.score(term_at, reads.parts, projected(layer, planned, u), rest, split)
     return finished(parts, rest, written, noise, edits)
 
 
@@ -267,7 +286,7 @@ def layer_reads(layer, terms: tuple[PlannedTerm, ...], by: Granularity, sites: S
     for k, planned in enumerate(terms):
         if paths is not None:
             paths.before(layer, planned, modes[k], index)
-        reads.append(read_term(layer, planned, modes[k], sites, own=rounding is not None, edits=edits,
+        reads.append(read_term(TermAt(layer, planned, modes[k]), sites, own=rounding is not None, edits=edits,
                                whole=writes is not None))
         if writes is not None:
             writes.append(written_at(layer, planned, reads[-1].value if modes[k] in (None, "features") else reads[-1].written))
@@ -304,12 +323,12 @@ def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, block: Block
     call's ``Prepared`` (``trace.prepared``), keyed by ``(index, k, name)`` for term ``k``.
     """
     modes, reads, outers = block
-    scores, biased = [], set()
+    scores, biased, how = [], set(), Scoring(split, edits)
     for k, planned in enumerate(terms):
         path = planned.term.write.outer_norm
         v, stream_constant, after_constant = directions[k]
-        score, gap = score_term(layer, planned, modes[k], reads[k], v, outers.get(path),
-                                path is not None and path not in biased, split, edits,
+        outer = None if outers.get(path) is None else Outer(outers[path], path is not None and path not in biased)
+        score, gap = score_term(TermAt(layer, planned, modes[k]), reads[k], v, outer, how,
                                 None if memo is None else (lambda name, make, k=k: memo((index, k, name), make)))
         biased.add(path)
         if not isinstance(stream_constant, float):  # a stream bias added with this term (ZAYA)

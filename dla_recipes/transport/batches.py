@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +28,7 @@ from ..args import as_index, check_position, check_prompts, check_text, per_prom
 from ..errors import InputError, UnknownFamilyError
 from ..families import family_of, text_config
 from ..trace.targets import LinearTarget
-from .sites import place, remembered, targets_of, token_problems, which
+from .sites import Spelling, place, remembered, targets_of, token_problems, which
 from .spacing import space_warning, spaced_id
 
 Token = str | int
@@ -223,16 +224,24 @@ def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[i
         encoding = tokenizer.pad({"input_ids": lists}, return_tensors="pt", padding=True)
         texts = [p if isinstance(p, str) else tokenizer.decode(list(p)) for p in prompts]
     encoding = {"input_ids": encoding["input_ids"], "attention_mask": encoding["attention_mask"]}
-    return prepare_encoding(model, encoding, target, contrast, position, texts, rows)
+    return prepare_encoding(model, encoding, target, contrast, position, Known(texts, rows))
 
 
-def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, prompts=None,
-                     rows: Sequence[int] | None = None) -> Batch:
+class Known(NamedTuple):
+    """A batch's prompts as the user knows them: ``prompts`` (the texts, for display; None: each row's tokens
+    decoded) and ``rows`` (each prompt's index in the user's list, as in ``prepare``; None: ``0..n-1``)."""
+
+    prompts: Sequence | None = None
+    rows: Sequence[int] | None = None
+
+
+def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, known: Known | None = None) -> Batch:
     """``prepare`` for a batch already tokenized (``encoding``: ``input_ids`` and ``attention_mask``
     ``[batch, seq]``, padded on either side), e.g. the batch nnsight assembled from a trace's invokes.
 
-    ``prompts``: the texts, for display; default: each row's tokens decoded. ``rows``: as in ``prepare``.
+    ``known``: the prompts' texts and the user's numbering of them (``Known``; default: decoded, ``0..n-1``).
     """
+    prompts, rows = known or Known()
     position = check_position(position)
     tokenizer = model.tokenizer
     ids = encoding["input_ids"]
@@ -254,16 +263,14 @@ def prepare_encoding(model, encoding: dict, target, contrast=None, position=-1, 
     padded = [mask[k].nonzero()[:, 0].tolist() for k in range(len(lengths))]
     positions = [padded[b][own] for b, own in zip(placed.rows, placed.own)]
     next_ids = [own_ids[b][own + 1] for b, own in zip(placed.rows, placed.own)] if next_token else None
-    user = [rows[b] for b in placed.rows]  # each site's prompt, as the user numbers it
     if placed.one and plain(target) and plain(contrast):
         targets, contrasts = resolve_all(model, prompts, target, contrast, rows)  # one site per prompt: as before
         linear = LinearTarget.tokens(torch.tensor(targets), None if contrasts is None else torch.tensor(contrasts))
         target_texts = tuple(tokenizer.decode([t]) for t in targets)
         contrast_texts = None if contrasts is None else tuple(tokenizer.decode([t]) for t in contrasts)
     else:
-        linear, target_texts, contrast_texts = targets_of(
-            lambda token, role: resolve_token(model, token, role), tokenizer.decode, placed, len(lengths), target,
-            contrast, placed.n_columns, next_ids, user)
+        spelling = Spelling(lambda token, role: resolve_token(model, token, role), tokenizer.decode)
+        linear, target_texts, contrast_texts = targets_of(spelling, placed, rows, target, contrast, next_ids)
     return Batch(
         prompts=tuple(prompts),
         encoding=encoding,

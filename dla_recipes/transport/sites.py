@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -179,20 +180,32 @@ def describe(spec, resolved: list[tuple[int, float]], decode) -> str:
     return " + ".join(f"{w:g}*{decode([t])!r}" for t, w in resolved)
 
 
-def targets_of(resolve, decode, placed: Placed, n_prompts: int, target, contrast, columns_given: int,
-               next_ids: list[int] | None = None, user: Sequence[int] | None = None):
-    """``(LinearTarget over the sites, target texts, contrast texts or None)``.
+class Spelling(NamedTuple):
+    """How a batch's tokens are read: ``resolve(token, role) -> id`` (raises ``InputError``) and ``decode(ids) ->
+    text``."""
 
-    ``resolve(token, role) -> id`` raises ``InputError``; every bad token is collected, with its prompts (``user``:
-    each site's prompt as the user numbers it; default its row), and raised in one error. ``next_ids``: each site's
-    next token (``target="next"``).
+    resolve: Callable
+    decode: Callable
+
+
+def targets_of(spelling: Spelling, placed: Placed, rows: Sequence[int], target, contrast,
+               next_ids: list[int] | None = None):
+    """``(LinearTarget over the sites, target texts, contrast texts or None)`` for the batch's ``len(rows)``
+    prompts, ``target`` and ``contrast`` given per prompt and column as ``placed.n_columns`` columns.
+
+    ``spelling.resolve`` raises ``InputError``; every bad token is collected, with its prompts (each site's prompt
+    as the user numbers it: ``rows[b]`` for row ``b``), and raised in one error. ``next_ids``: each site's next
+    token (``target="next"``).
     """
+    resolve, decode = spelling
+    n_prompts, columns_given = len(rows), placed.n_columns
+    user = [rows[b] for b in placed.rows]  # each site's prompt, as the user numbers it
     problems: dict[str, list[int]] = {}
     cache: dict = {}
 
     def resolved_specs(specs, role):
         out = []
-        for b, spec in zip(user if user is not None else placed.rows, specs):
+        for b, spec in zip(user, specs):
             try:
                 pairs = []
                 for token, weight in weighted(spec, role):

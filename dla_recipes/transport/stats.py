@@ -68,6 +68,6 @@ def stats_calls(calls: Sequence, batches: Sequence, run_groups: Sequence, stats,
     start and keep)."""
     half = n_prompts // 2
     return tuple(
-        StatsCall(call, sample_index(batch, group, stats.start), stats.seed, stats.replicates, stats.keep, tolerance,
-                  site_pairs(batch, group, half) if stats.paired else None)
+        StatsCall(call, sample_index(batch, group, stats.start), stats.seed, stats.replicates, keep=stats.keep,
+                  tolerance=tolerance, pairs=site_pairs(batch, group, half) if stats.paired else None)
         for call, batch, group in zip(calls, batches, run_groups))

@@ -16,6 +16,7 @@ from ...math.linalg import linear_pullback
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import Sites, read_site
+from . import TermAt
 
 
 @dataclass
@@ -47,9 +48,10 @@ def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> ConvReads:
     return ConvReads(inputs, valid.float(), mask.to(valid.device) * valid.float())
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: ConvReads, u: torch.Tensor, rest, split=None):
+def score(term: TermAt, reads: ConvReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u`` over its lags; the
     projection's bias (at every lag) goes to ``rest``."""
+    layer, planned, _ = term
     conv = module_at(layer, planned.term.split.position_conv)
     weight = conv.conv1d.weight.float().squeeze(1).to(u.device)  # [d, K]
     batch, width = reads.mask.shape

@@ -18,6 +18,7 @@ from ...math.linalg import dot, linear_pullback, matmul_f32
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import Sites, at, read_site
+from . import TermAt
 
 
 @dataclass
@@ -106,13 +107,14 @@ def expert_activations(experts, layout, e: int, count: int, x: torch.Tensor) -> 
     return module_at(experts, layout.activation)(gate) * up
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: ExpertReads, u: torch.Tensor, rest, split=None):
+def score(term: TermAt, reads: ExpertReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, E or E * d_expert (+ shared)], rest, None)`` for a fused mixture of experts, one token a row.
 
     Each routed expert's neurons are recomputed from the model's own routing (the experts module's inputs) and
     weights, as the term's ``ExpertsLayout`` describes them; the expert writes ``w * (down[e] @ act + down_bias[e])``.
     A down bias belongs to its expert's part (``by="expert"``) or to the term's rest (``by="neuron"``).
     """
+    layer, planned, mode = term
     moe = planned.term.split
     layout = moe.layout
     experts = module_at(layer, moe.projection)

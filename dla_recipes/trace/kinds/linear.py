@@ -19,6 +19,7 @@ from ...math.linalg import linear_pullback, on
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import Sites, at, read_site
+from . import TermAt
 
 
 @dataclass
@@ -70,10 +71,10 @@ def static(layer, planned: PlannedTerm, mode: str, u: torch.Tensor, rest):
     return pulled, rest + bias
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: LinearReads, u: torch.Tensor, rest, split=None,
-          pulled: tuple | None = None):
+def score(term: TermAt, reads: LinearReads, u: torch.Tensor, rest, split=None, pulled: tuple | None = None):
     """``(parts [batch, parts], rest, None)``: each head's or neuron's part along ``u`` (``pulled``: ``static``'s,
     made already: ``u`` and ``rest`` are then not read)."""
+    layer, planned, mode = term
     if pulled is None:
         pulled = static(layer, planned, mode, u, rest)
     if pulled is None:  # the output gate multiplies u channel by channel before the projection

@@ -34,6 +34,7 @@ from ...math.linalg import exact, linear_pullback, relative_gap
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import read_site, term_write
+from . import TermAt
 from .pattern import per_prompt
 from .sources import values_of
 
@@ -152,12 +153,13 @@ class Paths:
         self.errors.append(relative_gap(total, stream))
         self.norms[i] = (frozen, len(self.writes))
 
-    def split(self, layer, planned: PlannedTerm, i: int, u: torch.Tensor, weights: torch.Tensor,
-              own: torch.Tensor, sites) -> torch.Tensor:
+    def split(self, term: TermAt, i: int, u: torch.Tensor, weights: torch.Tensor, own: torch.Tensor,
+              sites) -> torch.Tensor:
         """``[n, heads, count * (upstream + 1)]``: each (head, source) part ``own`` ``[n, heads, count]`` split by
         the writes before block ``i``'s heads, then its rest, per source; ``u`` ``[n, heads, head_dim]`` the heads'
         directions, ``weights`` ``[n, heads, count]`` the pattern at the sources, ``sites`` the ``Sites`` read
-        (each one's prompt, and each prompt's sites)."""
+        (each one's prompt, and each prompt's sites); ``term``: block ``i``'s heads term."""
+        layer, planned, _ = term
         heads, width = planned.parts, planned.part_width
         split = planned.term.split
         module = module_at(layer, split.values.rsplit(".", 1)[0])

@@ -16,6 +16,7 @@ from ...math.linalg import dot, matmul_f32
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm
 from ..readers import Sites, param
+from . import TermAt
 
 
 @dataclass
@@ -71,8 +72,9 @@ def parts_of(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torc
     return out.sum(-1) if mode == "experts" else out.flatten(1)
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: RoutedReads, u: torch.Tensor, rest, split=None):
+def score(term: TermAt, reads: RoutedReads, u: torch.Tensor, rest, split=None):
     """``(parts [batch, parts], rest, None)``; a bias added once after the projection goes to ``rest``."""
+    layer, planned, mode = term
     parts = parts_of(layer, planned, mode, reads, u)
     bias = planned.term.split.projection_bias
     rest = rest + dot(u, param(layer, bias)) if bias else rest

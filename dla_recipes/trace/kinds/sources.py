@@ -19,7 +19,7 @@ from ...math.linalg import relative_gap
 from ...plan.build import module_at
 from ...plan.plan import PlannedTerm, Sources
 from ..readers import Sites, at, read_site
-from . import pattern
+from . import TermAt, pattern
 from .linear import pull_back
 from .pattern import per_prompt
 
@@ -126,12 +126,13 @@ def grouped_sum(pattern: torch.Tensor, values: torch.Tensor, groups: tuple) -> t
     return per_prompt("nvgk,kvd->nvgd", grouped, values[:, :keys], groups).reshape(n, heads, -1)
 
 
-def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.Tensor, rest, split: SourceSplit):
+def score(term: TermAt, reads: SourceReads, u: torch.Tensor, rest, split: SourceSplit):
     """``(parts [batch, parts], rest, None)``: each split head's part per own source position, the others whole.
 
     Source ``s`` of a prompt is padded position ``split.offsets[b] + s`` (a source past the padded length is zero),
     ``split.sources.count`` sources per split head.
     """
+    layer, planned, _ = term
     pulled, rest, bias = pull_back(layer, planned, u, rest)
     heads_split, offsets, count = split.heads(planned.parts), split.offsets, split.sources.count
     heads, width = planned.parts, planned.part_width
@@ -150,6 +151,6 @@ def score(layer, planned: PlannedTerm, mode: str, reads: SourceReads, u: torch.T
 
     own = at_sources(per_source)
     if split.paths is not None:  # each (head, source) part split by the components that wrote the source
-        own = split.paths.split(layer, planned, split.layer, u, at_sources(pattern), own, reads.sites)
+        own = split.paths.split(term, split.layer, u, at_sources(pattern), own, reads.sites)
     pieces = [own[:, h] if heads_split[h] else whole[:, h:h + 1] for h in range(heads)]
     return torch.cat(pieces, -1), rest + bias, None
