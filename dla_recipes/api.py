@@ -31,7 +31,7 @@ from .selfcheck import model_dtype
 from .trace.calls import LogitCall, TopCall
 from .trace.reading import Where
 from .transport import memo
-from .transport.batches import groups, offsets, plain, prepare, resolve_all, token_ids
+from .transport.batches import Group, groups, offsets, plain, prepare, resolve_all, token_ids
 from .transport.handle import RemoteJob
 from .transport.remote import RemoteBatchError, is_transient
 from .transport.reuse import Reuse
@@ -266,10 +266,11 @@ def attribute_logits(model, prompts, logits: Logits, question: Question):
 
     reuse = Reuse(model, plan) if not q.remote and not q.edits and q.fast.reuse else None
     of = Of(plan, q.by, model_dtype(model), q.tolerance, sources=split, edits=q.edits)
-    request = Request(model, batches, calls_for(reuse), tuple(i for g in run_groups for i in g), q, of, layout)
+    request = Request(model, batches, calls_for(reuse), order=tuple(i for g in run_groups for i in g), question=q,
+                      of=of, layout=layout)
     if not q.blocking:  # the jobs are submitted; the handle assembles the readouts once they are all back
-        return RemoteJob(model, plan, batches, request.calls, remote=q.remote, intervene=q.intervene,
-                         finish=lambda readouts: complete(request, done=readouts))
+        return RemoteJob(model, plan, Work(batches, request.calls, q.intervene), How(q.remote),
+                         lambda readouts: complete(request, done=readouts))
     try:
         return complete(request)
     except ExactnessError as error:
@@ -300,7 +301,8 @@ def _batches(model, plan, prompts: list, logits: Logits, question: Question):
 
     def batches_for(target):
         return tuple(prepare(model, [prompts[i] for i in g], for_group(target, g, n), for_group(contrast, g, n),
-                             for_prompts(position, g, n), rows=g, ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
+                             for_prompts(position, g, n), Group(g, None if ids is None else [ids[i] for i in g]))
+                     for g in run_groups)
 
     if target is None:  # the model's own top token at each site: one more forward pass reads it
         batches = batches_for(0)
@@ -310,7 +312,7 @@ def _batches(model, plan, prompts: list, logits: Logits, question: Question):
         if tops.error is not None:
             raise tops.error
         batches = tuple(prepare(model, [prompts[i] for i in g], top_grid(b, top), for_group(contrast, g, n),
-                                for_prompts(position, g, n), rows=g, ids=b.ids) for g, b, top in zip(run_groups, batches, tops.readouts))
+                                for_prompts(position, g, n), Group(g, b.ids)) for g, b, top in zip(run_groups, batches, tops.readouts))
     else:
         batches = batches_for(target)
         check_grid(target, batches, "target")

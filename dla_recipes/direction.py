@@ -21,8 +21,9 @@ from .result import EDIT_HINT, Of, layout_of
 from .selfcheck import model_dtype
 from .trace.calls import DirectionCall
 from .trace.reading import Where
-from .transport.batches import groups, offsets, prepare, token_ids
+from .transport.batches import Group, groups, offsets, prepare, token_ids
 from .transport.handle import RemoteJob
+from .transport.session import How, Work
 from .transport.sites import for_prompts
 from .transport.stats import pair_groups, stats_calls
 
@@ -116,8 +117,8 @@ def direction_logits(model, prompts, asked: Direction, question: Question):
     run_groups = (pair_groups(model, plan, prompts, q.batch_size, ids) if stats is not None and stats.paired
                   else groups(model, plan, prompts, q.batch_size, ids))
     position = check_position(asked.position)
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, for_prompts(position, g, len(prompts)), rows=g,
-                            ids=None if ids is None else [ids[i] for i in g]) for g in run_groups)
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, for_prompts(position, g, len(prompts)),
+                            Group(g, None if ids is None else [ids[i] for i in g])) for g in run_groups)
     if direction.dim() == 3 and direction.shape[1] != max(b.n_columns for b in batches):
         raise InputError(f"direction has {direction.shape[1]} positions; position={position!r} takes "
                          f"{max(b.n_columns for b in batches)}: give [batch, n_positions, {width}]")
@@ -142,12 +143,13 @@ def direction_logits(model, prompts, asked: Direction, question: Question):
         calls.append(DirectionCall(plan, where, mine, reads, reading))
     if stats is not None:
         calls = stats_calls(calls, batches, run_groups, stats, q.tolerance, len(prompts))
-    of = Of(plan, q.by, model_dtype(model), q.tolerance, stop, split, f"L{stop[0]}.{reads}", q.edits)
-    request = Request(model, batches, tuple(calls), tuple(i for g in run_groups for i in g), q, of,
-                       layout_of(batches, run_groups, model.tokenizer))
+    of = Of(plan, q.by, model_dtype(model), q.tolerance, stop=stop, sources=split, read_by=f"L{stop[0]}.{reads}",
+            edits=q.edits)
+    request = Request(model, batches, tuple(calls), order=tuple(i for g in run_groups for i in g), question=q,
+                      of=of, layout=layout_of(batches, run_groups, model.tokenizer))
     if not q.blocking:
-        return RemoteJob(model, plan, batches, request.calls, remote=q.remote, intervene=q.intervene,
-                         finish=lambda readouts: complete(request, done=readouts))
+        return RemoteJob(model, plan, Work(batches, request.calls, q.intervene), How(q.remote),
+                         lambda readouts: complete(request, done=readouts))
     try:
         return complete(request)
     except ExactnessError as error:

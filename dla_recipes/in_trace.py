@@ -59,7 +59,7 @@ from greenlet import getcurrent
 
 from . import features
 from .args import Check, Granularity
-from .errors import InputError, TraceUsageError
+from .errors import TraceUsageError
 from .families import family_of
 from .math.frozen_norm import forget_probes
 from .plan.build import plan_for
@@ -243,13 +243,6 @@ def trace_attribution(
     question = ask("trace_attribution", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
                    check=check, tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking,
                    batch_size=batch_size, progress=progress, fast=fast)
-    if question.by == "source":
-        raise InputError("trace_attribution does not split heads by source yet: use attribute(..., by='source', "
-                         "intervene=fn) for an edited forward pass, or by='head' here")
-    if question.stats is not None:
-        raise InputError(f"reduce={reduce!r}: trace_attribution returns one batch's rows: use None (one row a "
-                         "position) or 'sum' (each prompt's positions summed); statistics over many batches: "
-                         "attribute(..., reduce='stats', intervene=fn) or attribute_dataset")
     placement = _placement(tracer)
     encoding = _batched_encoding(tracer)
     model = tracer.envoy

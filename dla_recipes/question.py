@@ -120,8 +120,10 @@ class Question:
         return Question(**values)
 
 
-# The verbs' pairs with an option they cannot take, and why (read by ``ask``; every other pair works).
-REFUSED: dict[tuple[str, str], str] = {
+# The verbs' pairs with an option they cannot take, and why (read by ``ask``; every other pair works): a key
+# ``(verb, option)`` refuses every value but the default, ``(verb, option, value)`` that value only (``by``'s name,
+# ``reduce``'s "sum" or "stats").
+REFUSED: dict[tuple, str] = {
     ("attribute_scores", "dictionaries"): "a score splits into [components x components] pairs a key: a "
     "dictionary's latents on both sides (16k x 16k a key) need a sparse choice of pairs that is not built yet; split "
     "the stream's writes by feature with attribute_direction(direction=the head's query direction, dictionaries=)",
@@ -138,6 +140,18 @@ REFUSED: dict[tuple[str, str], str] = {
     "(remotely both run in the same sessions): run it blocking",
     ("attribute_dataset", "blocking"): "the chunks run one after another, each written before the next: run it "
     "blocking (out= keeps what finished, and the same call again resumes)",
+    ("attribute_scores", "by", "neuron"): "a score is [components x components] pairs a key: neurons on both sides "
+    "are too many pairs; split by 'block' or 'head'",
+    ("attribute_scores", "by", "expert"): "a score splits by 'block' or 'head' (upstream heads): experts are not "
+    "built for it",
+    ("attribute_scores", "by", "source"): "the keys= of attribute_scores are the score's sources: split by 'block' "
+    "or 'head'",
+    ("trace_attribution", "by", "source"): "a head split by source is not built inside your own trace yet: use "
+    "attribute(..., by='source', intervene=fn) for an edited forward pass, or by='head' here",
+    ("trace_attribution", "sources"): "sources= chooses the heads by='source' splits, which trace_attribution does "
+    "not do yet (attribute(..., by='source', sources=..., intervene=fn) does)",
+    ("trace_attribution", "reduce", "stats"): "your own trace is one batch, and its rows come back: statistics over "
+    "many batches are attribute(..., reduce='stats', intervene=fn) or attribute_dataset",
     ("trace_attribution", "remote"): "trace_attribution runs in your own trace: give remote= to model.trace(...)",
     ("trace_attribution", "blocking"): "trace_attribution runs in your own trace, which decides when it returns",
     ("trace_attribution", "intervene"): "in your own trace your edits are the code before trace_attribution(...)",
@@ -205,8 +219,9 @@ def ask(verb: str, **options) -> Question:
     if unknown:  # a verb passes only Question's fields: a programming error, named as one
         raise TypeError(f"ask: not options of a question: {unknown}")
     for name, value in options.items():
-        reason = REFUSED.get((verb, name))
-        if reason is not None and not _is_default(name, value):
+        reason = REFUSED.get((verb, name)) if not _is_default(name, value) else None
+        reason = reason or REFUSED.get((verb, name, _named(name, value)))
+        if reason is not None:
             problems.append(f"{verb} does not take {name}={_short(value)}: {reason}")
     values = {f.name: options.get(f.name, getattr(DEFAULTS, f.name)) for f in fields(Question)}
 
@@ -235,6 +250,13 @@ def ask(verb: str, **options) -> Question:
         raise InputError(problems[0] if len(problems) == 1 else
                          f"{len(problems)} problems with the options:\n" + "\n".join(f"- {p}" for p in problems))
     return Question(**values)
+
+
+def _named(name: str, value) -> object:
+    """The value a ``(verb, option, value)`` refusal names: ``reduce``'s ``"stats"`` for a ``Stats`` record too."""
+    if name == "reduce" and isinstance(value, Stats):
+        return "stats"
+    return value if isinstance(value, str) else None
 
 
 def _is_default(name: str, value) -> bool:

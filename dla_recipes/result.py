@@ -18,8 +18,8 @@ import torch
 
 from .present.attribution import Attribution
 from .present.positions import PositionAttribution
-from .present.stats import AttributionStats
-from .selfcheck import computed_dtype, self_check
+from .present.stats import ACCUMULATORS, AttributionStats
+from .selfcheck import Held, computed_dtype, self_check
 from .trace.readout import Readout
 
 # What an ExactnessError most likely means when the forward pass was edited.
@@ -149,7 +149,7 @@ def assemble(of: Of, rows: Rows, readouts: Sequence[Readout], order: Sequence[in
     readout = Readout.concat(readouts)
     components, labels = of.components()
     names = layout.names(rows.positions) if layout is not None else None
-    error, checked = self_check(readout, plan, by, dtype, tolerance, labels=labels, edits=edits, names=names)
+    error, checked = self_check(readout, Held(plan, by, dtype, tolerance, edits, names), labels)
     computed = str(computed_dtype(readout, dtype)).removeprefix("torch.")  # what sized the bound (error_summary)
     attr = Attribution(
         values=readout.values,
@@ -241,11 +241,11 @@ def assemble_stats(of: Of, readouts: Sequence, names: Sequence[str] = (), sites:
     starts, readouts = zip(*[(start, r) for start, r in zip(starts, readouts) if r is not None])  # None: merged
     kept = Readout.concat([r.rows for r in readouts])
     kept_names = [names[start + int(s)] for start, r in zip(starts, readouts) for s in r.sites] if names else None
-    self_check(kept, plan, by, dtype, tolerance, labels=labels, edits=edits, names=kept_names)
+    self_check(kept, Held(plan, by, dtype, tolerance, edits, kept_names), labels)
     meta = {"seed": seed, "by": by, "family": plan.family.name, "read_by": of.read_by, "paired": paired}
     total = None
     for r in readouts:
-        part = AttributionStats.from_accumulators(labels, r.count, r.mean, r.m2, r.positive, r.boot, r.weight, r.flip,
-                                                  error=float(r.error), **meta)
+        accumulators = {name: getattr(r, name) for name in ("count", *ACCUMULATORS)}
+        part = AttributionStats.from_accumulators(labels, accumulators, error=float(r.error), **meta)
         total = part if total is None else total.merge(part)
     return total

@@ -23,7 +23,7 @@ from .present.scores import ScoreAttribution
 from .question import Question, ask
 from .selfcheck import model_dtype
 from .trace.scores import ScoreCall
-from .transport.batches import groups, offsets, prepare, token_ids
+from .transport.batches import Group, groups, offsets, prepare, token_ids
 from .transport.run import run as run_batches
 from .transport.session import How, Work
 
@@ -76,9 +76,6 @@ def attribute_scores(model, prompts, head: str, *, query: int = -1, keys=(0,), b
     question = ask("attribute_scores", by=by, dictionaries=dictionaries, sources=sources, intervene=intervene,
                    check=check, tolerance=tolerance, reduce=reduce, remote=remote, blocking=blocking,
                    batch_size=batch_size, progress=progress, fast=fast)
-    if question.by not in ("block", "head"):
-        raise InputError(f"by={by!r}: attribute_scores splits by 'block' or 'head' (upstream heads): a score is "
-                         "[components x components] pairs, and neurons or sources on both sides are too many pairs")
     return score_logits(model, prompts, Score(head, query, keys), question)
 
 
@@ -111,8 +108,8 @@ def score_logits(model, prompts, asked: Score, question: Question) -> ScoreAttri
                              "causal head attends only to earlier positions")
     run_groups = groups(model, plan, prompts, question.batch_size, ids)
     unpadded = None if plan.family.padding_safe else ids  # padding-unsafe: each batch is these ids, unpadded
-    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, query, rows=g,
-                            ids=None if unpadded is None else [unpadded[i] for i in g]) for g in run_groups)
+    batches = tuple(prepare(model, [prompts[i] for i in g], 0, None, query,
+                            Group(g, None if unpadded is None else [unpadded[i] for i in g])) for g in run_groups)
     calls = []
     for g, batch in zip(run_groups, batches):
         start = offsets(batch)  # [n]: where each prompt's own tokens start
@@ -146,10 +143,13 @@ def score_logits(model, prompts, asked: Score, question: Question) -> ScoreAttri
                              f"{float(error[b, k]):.3g}, past the bound {float(bound[b, k]):.3g}")
     softcap = float(checks[4]) or None
     texts = [text for batch in batches for text in batch.prompts]
-    return ScoreAttribution(values, constant, score, spec.labels, spec.labels, tuple(tuple(k) for k in own_keys),
-                            tuple(queries), f"L{spec.layer}.H{spec.head}", tuple(texts[r] for r in rank), softcap, error,
-                            {"stream_error": float(checks[0]), "query_error": float(checks[1]),
-                             "key_error": float(checks[2]), "norm_fit_error": float(checks[3]), "bound": bound})
+    return ScoreAttribution(values, constant, score, query_labels=spec.labels, key_labels=spec.labels,
+                            keys=tuple(tuple(k) for k in own_keys), queries=tuple(queries),
+                            head=f"L{spec.layer}.H{spec.head}", prompts=tuple(texts[r] for r in rank),
+                            softcap=softcap, error=error,
+                            diagnostics={"stream_error": float(checks[0]), "query_error": float(checks[1]),
+                                         "key_error": float(checks[2]), "norm_fit_error": float(checks[3]),
+                                         "bound": bound})
 
 
 def check_rebuilt(plan, spec, head: str, checks: torch.Tensor, dtype: torch.dtype) -> None:

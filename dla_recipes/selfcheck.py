@@ -1,6 +1,6 @@
 """The self-check: the parts must sum to the model's own logit within the rounding the model itself did, or raise.
 
-``self_check(readout, plan, by, dtype)`` runs on the client after every attribution, in this order:
+``self_check(readout, Held(plan, by, dtype))`` runs on the client after every attribution, in this order:
 
 1. **Finite.** Any NaN or inf (in the head direction, a component's write or its value once the frozen scale
    multiplies it, the stream entering the final norm, the frozen norm's scale, the model's own logits, the parts'
@@ -160,33 +160,34 @@ class Held(NamedTuple):
 
     plan: object
     by: str
-    dtype: torch.dtype
-    tolerance: float | None
-    edits: bool
-    names: object
+    dtype: torch.dtype = torch.float32
+    tolerance: float | None = None
+    edits: bool = False
+    names: object = None
 
 
-def self_check(readout, plan, by: str, dtype: torch.dtype = torch.float32, tolerance: float | None = None,
-               labels: list[str] | None = None, edits: bool = False, names=None) -> tuple[float, dict]:
+def self_check(readout, held: Held, labels: list[str] | None = None) -> tuple[float, dict]:
     """Check ``readout`` (see the module docstring); return ``(error, diagnostics)`` or raise.
 
     Args:
         readout: the concatenated ``Readout`` of all batches.
-        dtype: the dtype the model computes in.  tolerance: a user's relative tolerance (replaces the bound).
+        held: what it is held to (``Held``): the plan and granularity; the dtype the model computes in; a user's
+            relative tolerance (replaces the bound); whether the call may carry an edit of the forward pass (it has
+            ``.edit`` columns; the messages say so); each row as the user knows it (``"prompt 3, position 5"``),
+            for the messages (default its index).
         labels: the components' labels (to name the first non-finite one).
-        edits: the call may carry an edit of the forward pass (it has ``.edit`` columns; the messages say so).
-        names: each row as the user knows it (``"prompt 3, position 5"``), for the messages; default its index.
 
     Returns:
         ``error``: max |sum - logit|; ``diagnostics``: ``bound`` ``[batch]`` (what the check allowed),
         ``split_rounding`` ``[batch]`` (the split terms' own low-precision rounding, read along the logit) and, with
         ``check="adds"``, ``add_rounding`` ``[batch]`` (the largest ratio of an add's gap to its own rounding).
     """
-    dtype = computed_dtype(readout, dtype)
+    dtype = computed_dtype(readout, held.dtype)
+    held = held._replace(dtype=dtype)
     total = readout.values.sum(-1) + readout.constant
-    _nonfinite(readout, labels, plan, dtype, total)
+    _nonfinite(readout, labels, held.plan, dtype, total)
     try:
-        return _checked(readout, Held(plan, by, dtype, tolerance, edits, names), total)
+        return _checked(readout, held, total)
     except ExactnessError as error:
         cause = autocast(readout, dtype)
         if cause is None:

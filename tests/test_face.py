@@ -66,11 +66,13 @@ def test_every_verb_takes_every_option_by_the_same_name_and_default():
             assert p.kind == p.KEYWORD_ONLY, (verb, name)
             default = getattr(DEFAULTS, name)
             assert p.default == default or (name == "fast" and p.default is True), (verb, name, p.default)
-    assert {verb for verb, _ in REFUSED} <= set(verbs) and {name for _, name in REFUSED} <= set(options)
-    for (verb, name), reason in REFUSED.items():  # each refusal says its reason, naming the verb and the option
-        value = {"blocking": False, "remote": True, "progress": True, "batch_size": 2, "reduce": "sum",
-                 "check": "adds", "compare": "corrupted", "intervene": print, "sources": {"layers": [0]},
-                 "dictionaries": {"L0.mlp": object()}}[name]
+    assert {key[0] for key in REFUSED} <= set(verbs) and {key[1] for key in REFUSED} <= set(options)
+    for key, reason in REFUSED.items():  # each refusal says its reason, naming the verb and the option
+        verb, name = key[:2]
+        value = key[2] if len(key) == 3 else {
+            "blocking": False, "remote": True, "progress": True, "batch_size": 2, "reduce": "sum", "check": "adds",
+            "compare": "corrupted", "intervene": print, "sources": {"layers": [0]},
+            "dictionaries": {"L0.mlp": object()}}[name]
         extra = {"by": "source"} if name == "sources" else {}
         extra |= {"remote": True} if name == "blocking" else {}
         try:

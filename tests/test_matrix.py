@@ -63,8 +63,15 @@ def field(option: str) -> str:
     return option.split("_")[0] if option.startswith("reduce") else option
 
 
+def refusal(verb: str, option: str) -> str | None:
+    """REFUSED's reason for the cell: its ``(verb, option)`` entry, or its ``(verb, option, value)`` one
+    (``reduce_stats``: ``("trace_attribution", "reduce", "stats")``)."""
+    value = option.split("_", 1)[1] if option.startswith("reduce_") else None
+    return REFUSED.get((verb, field(option))) or REFUSED.get((verb, field(option), value))
+
+
 def refused(verb: str, option: str) -> bool:
-    return (verb, field(option)) in REFUSED
+    return refusal(verb, option) is not None
 
 
 CELLS = list(itertools.product(VERBS, OPTIONS))
@@ -74,19 +81,7 @@ REMOTE_CELLS = [c for c in CELLS if not refused(*c) and c[1] in REMOTE]
 
 # Cells the package refuses OUTSIDE ``REFUSED`` (an InputError raised deep in the verb, after ask() passed it): the
 # matrix says such a cell must run or carry REFUSED's reason, so each is a strict xfail, a bug reported.
-DEEP = {
-    ("attribute_direction", "reduce_sum"): "result.py:162 gives a direction's rows target_tokens=(), and "
-    "PositionAttribution.sum (present/positions.py:248, _described -> _nested line 90) indexes them per site: "
-    "attribute_direction(position='all', reduce='sum') raises IndexError",
-    ("trace_attribution", "sources"): "in_trace.py: trace_attribution raises 'does not split heads by source yet' "
-    "after ask(); REFUSED has no ('trace_attribution', 'sources') entry",
-    ("trace_attribution", "reduce_stats"): "in_trace.py: trace_attribution raises 'reduce=stats: trace_attribution "
-    "returns one batch's rows' after ask(); REFUSED cannot say it (reduce='sum' is taken)",
-    ("attribute_generation", "blocking"): "generation/__init__.py: generation_logits appends 'blocking=False: "
-    "attribute_generation needs the answers back' after ask(); not in REFUSED",
-    ("attribute_dataset", "blocking"): "datasets/__init__.py: attribute_dataset raises 'blocking=False: "
-    "attribute_dataset runs its chunks one after another' after ask(); not in REFUSED",
-}
+DEEP: dict = {}
 
 BY = {"attribute": "neuron", "attribute_direction": "neuron", "attribute_dataset": "neuron",
       "attribute_generation": "head", "attribute_scores": "head", "trace_attribution": "head"}
@@ -570,7 +565,7 @@ def call_verb(verb, model, **kw):
 @pytest.mark.parametrize(("verb", "option"), REFUSED_CELLS)
 def test_refused_cell_names_its_reason(verb, option):
     model = tiny_model("llama")
-    reason = REFUSED[(verb, field(option))]
+    reason = refusal(verb, option)
     with pytest.raises(InputError) as error:
         call_verb(verb, model, **options(verb, option, model))
     assert reason in str(error.value), (verb, option, str(error.value))
@@ -582,7 +577,7 @@ def test_the_matrix_is_the_product():
     and options that exist."""
     assert sorted(REFUSED_CELLS + LOCAL_CELLS + REMOTE_CELLS) == sorted(CELLS)
     fields = {f for f in ask("attribute").__dataclass_fields__}
-    assert all(v in VERBS and o in fields for v, o in REFUSED)
+    assert all(key[0] in VERBS and key[1] in fields for key in REFUSED)
     assert {(v, field(o)) for v, o in REFUSED_CELLS} == {(v, o) for v, o in REFUSED if o in map(field, OPTIONS)}
 
 

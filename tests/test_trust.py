@@ -80,13 +80,13 @@ def test_values_that_overflow_only_once_scaled_raise_nonfinite_naming_the_compon
         logit = torch.where(torch.isfinite(logit), logit, 1.0)
         return _readout(values=rows, constant=torch.zeros(n), logit=logit, output_logit=logit, scale=torch.ones(n))
 
-    check.self_check(readout([1.0, 2.0, -0.5, 0.25], [0.5, -1.0, 4.0, 2.0]), plan, "block", labels=labels)
+    check.self_check(readout([1.0, 2.0, -0.5, 0.25], [0.5, -1.0, 4.0, 2.0]), check.Held(plan, "block"), labels=labels)
     inf = float("inf")
     for rows, first in (([[1.0, 2.0, -0.5, 0.25], [1.0, inf, -inf, 0.5]], "L0.attn"), ([[1.0, 2.0, 3e38, -inf]], "L1.attn")):
         with pytest.raises(dla_recipes.NonFiniteError, match=f"'{first}'.*overflows float32 once the frozen norm"):
-            check.self_check(readout(*rows), plan, "block", labels=labels)
+            check.self_check(readout(*rows), check.Held(plan, "block"), labels=labels)
     with pytest.raises(dla_recipes.NonFiniteError, match="their sum overflows float32"):
-        check.self_check(readout([1.0, 3e38, 3e38, 0.5]), plan, "block", labels=labels)
+        check.self_check(readout([1.0, 3e38, 3e38, 0.5]), check.Held(plan, "block"), labels=labels)
 
 
 def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
@@ -112,7 +112,7 @@ def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
         labels = [f"L{j}.mlp" for j in range(k)]
         place = int(torch.randint(len(named) + 1, (), generator=gen))
         if place == len(named):  # nothing non-finite: it passes
-            error, _ = check.self_check(_readout(**fields), plan, "block", labels=labels)
+            error, _ = check.self_check(_readout(**fields), check.Held(plan, "block"), labels=labels)
             assert math.isfinite(error), (trial, error)
             continue
         name = list(named)[place]
@@ -121,7 +121,7 @@ def test_no_readout_with_a_nan_or_inf_passes_the_self_check_fuzzed():
         bad[spot] = (float("nan"), float("inf"), float("-inf"))[trial % 3]
         want = named[name] or f"'L{spot % k}.mlp'.*overflows float32"
         with pytest.raises(dla_recipes.NonFiniteError, match=want):
-            check.self_check(_readout(**fields), plan, "block", labels=labels)
+            check.self_check(_readout(**fields), check.Held(plan, "block"), labels=labels)
 
 
 # --- a write no component makes --------------------------------------------------------------------------------------

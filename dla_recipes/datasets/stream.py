@@ -203,5 +203,5 @@ def difference_stats(first, second, rows, stats) -> AttributionStats:
     owner = rows[first.mask.nonzero()[:, 0]] if hasattr(first, "sites") else rows
     index = owner * SAMPLE_STRIDE + column
     acc = accumulate(table(a) - table(b), index, stats.seed, stats.replicates)
-    return AttributionStats.from_accumulators(labels, **acc, seed=stats.seed, error=max(a.error, b.error), by=a.by,
+    return AttributionStats.from_accumulators(labels, acc, seed=stats.seed, error=max(a.error, b.error), by=a.by,
                                               family=a.family, read_by=a.read_by, paired=True)

@@ -9,8 +9,7 @@ from .shapes import INKLING_ATTENTION, LLAMA_LIKE, OPT_LIKE, POST_NORM_ONLY, SAN
 
 DENSE: tuple[Family, ...] = (
     # Pre-norm blocks whose modules' outputs are what the block adds.
-    Family("gpt2", ("gpt2",), sequential("c_proj", "c_proj", reads=("ln_1", "ln_2"), values="self_attn.c_attn.output",
-                                        values_layout="qkv"),
+    Family("gpt2", ("gpt2",), sequential(("c_proj", "c_proj"), reads=("ln_1", "ln_2"), values=("self_attn.c_attn.output", "qkv")),
            notes="Conv1D weights; learned positions in embed."),
     Family("llama", ("llama",), LLAMA_LIKE),
     Family("mistral", ("mistral",), LLAMA_LIKE),
@@ -18,17 +17,17 @@ DENSE: tuple[Family, ...] = (
     Family("qwen3", ("qwen3",), LLAMA_LIKE),
     Family("gemma", ("gemma",), LLAMA_LIKE, notes="RMSNorm gain is 1 + w; embeddings scaled by sqrt(d_model)."),
     Family("olmo", ("olmo",), LLAMA_LIKE, notes="non-affine LayerNorm."),
-    Family("phi3", ("phi3",), sequential(values="self_attn.qkv_proj.output", values_layout="qkv"), notes="fused qkv_proj and gate_up_proj."),
+    Family("phi3", ("phi3",), sequential(values=("self_attn.qkv_proj.output", "qkv")), notes="fused qkv_proj and gate_up_proj."),
     Family("smollm3", ("smollm3",), LLAMA_LIKE),
     Family("apertus", ("apertus",), sequential(reads=("attention_layernorm", "feedforward_layernorm")),
            notes="xIELU MLP without a gate."),
     # Parallel blocks: attention and MLP read the same normed stream; both outputs are added.
-    Family("gptj", ("gptj",), sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
+    Family("gptj", ("gptj",), sequential(("out_proj", "fc_out"), reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block; lm_head has a bias."),
-    Family("gpt_neox", ("gpt_neox",), sequential("dense", "dense_4h_to_h", parallel="use_parallel_residual",
-                                                values="self_attn.query_key_value.output", values_layout="per_head_qkv"),
+    Family("gpt_neox", ("gpt_neox",), sequential(("dense", "dense_4h_to_h"), parallel="use_parallel_residual",
+                                                values=("self_attn.query_key_value.output", "per_head_qkv")),
            notes="parallel (use_parallel_residual) or sequential."),
-    Family("phi", ("phi",), sequential("dense", "fc2", reads=("input_layernorm", "input_layernorm"), parallel=True),
+    Family("phi", ("phi",), sequential(("dense", "fc2"), reads=("input_layernorm", "input_layernorm"), parallel=True),
            rename={"ln_final_name": "final_layernorm"},
            notes="parallel block; lm_head has a bias; nnterp needs the final norm's name."),
     Family("cohere", ("cohere",), sequential(reads=("input_layernorm", "input_layernorm"), parallel=True),
@@ -40,7 +39,7 @@ DENSE: tuple[Family, ...] = (
     Family("olmo2", ("olmo2",), POST_NORM_ONLY, notes="post-norm only."),
     Family("olmo3", ("olmo3",), POST_NORM_ONLY, notes="post-norm only."),
     Family("exaone4", ("exaone4",), POST_NORM_ONLY, notes="post-norm only."),
-    Family("glm4", ("glm4",), sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm"),
+    Family("glm4", ("glm4",), sequential(post=("post_self_attn_layernorm", "post_mlp_layernorm")),
            notes="sandwich norms."),
     # Gates and scalars on the stream itself.
     Family("doge", ("doge",), (LayerKind((
@@ -70,7 +69,7 @@ DENSE: tuple[Family, ...] = (
     Family("minicpm3", ("minicpm3",), sequential(multiplier=depth_scale), head_input_over="logits_scaling",
            notes="MLA attention; writes times scale_depth / sqrt(layers) (a computed scalar); embedding times "
                  "scale_emb; the final norm's output over hidden_size / dim_model_base."),
-    Family("nanochat", ("nanochat",), sequential("o_proj", "fc2"), softcap="final_logit_softcapping",
+    Family("nanochat", ("nanochat",), sequential(("o_proj", "fc2")), softcap="final_logit_softcapping",
            final_norm="shared", load_kwargs={"check_renaming": False},
            notes="RMSNorms without weights (probed at the stream's width); the final norm module also norms the "
                  "embedding before the blocks; relu^2 MLP (fc1, fc2); logits soft-capped."),
@@ -128,14 +127,14 @@ DENSE: tuple[Family, ...] = (
         "iquestcoder", "jais2", "ministral", "ministral3", "nemotron", "seed_oss", "stablelm", "youtu",
     ), LLAMA_LIKE, notes="pre-norm attention then MLP, each module's output added (norms, MLP activations, "
                          "attention variants such as MLA, differential or sliding-window attention differ)."),
-    Family("gpt_bigcode", ("gpt_bigcode",), sequential("c_proj", "c_proj", reads=("ln_1", "ln_2")),
+    Family("gpt_bigcode", ("gpt_bigcode",), sequential(("c_proj", "c_proj"), reads=("ln_1", "ln_2")),
            notes="multi-query attention; learned positions in embed."),
-    Family("gpt_neo", ("gpt_neo",), sequential("attention.out_proj", "c_proj", reads=("ln_1", "ln_2")),
+    Family("gpt_neo", ("gpt_neo",), sequential(("attention.out_proj", "c_proj"), reads=("ln_1", "ln_2")),
            notes="local and global attention layers; learned positions in embed."),
-    Family("starcoder2", ("starcoder2",), sequential("o_proj", "c_proj"), notes="LayerNorm with biases."),
-    Family("persimmon", ("persimmon",), sequential("dense", "dense_4h_to_h"), rename={"ln_final_name": "final_layernorm"},
+    Family("starcoder2", ("starcoder2",), sequential(("o_proj", "c_proj")), notes="LayerNorm with biases."),
+    Family("persimmon", ("persimmon",), sequential(("dense", "dense_4h_to_h")), rename={"ln_final_name": "final_layernorm"},
            notes="squared-ReLU MLP, qk LayerNorm; nnterp needs the final norm's name."),
-    Family("codegen", ("codegen",), sequential("out_proj", "fc_out", reads=("ln_1", "ln_1"), parallel=True),
+    Family("codegen", ("codegen",), sequential(("out_proj", "fc_out"), reads=("ln_1", "ln_1"), parallel=True),
            notes="parallel block (GPT-J layout); lm_head has a bias."),
     Family("xglm", ("xglm",), (OPT_LIKE,),
            rename={"ln_final_name": "layer_norm", "ignore_mlp": True, "attn_head_config_key": "attention_heads"},
@@ -154,7 +153,7 @@ DENSE: tuple[Family, ...] = (
     Family("granite_swa", ("granite_swa",), sequential(multiplier="residual_multiplier"),
            logits_over="logits_scaling", notes="Granite with sliding-window layers."),
     Family("hyperclovax", ("hyperclovax",), (
-        LayerKind(sequential(attn_post="post_norm1", mlp_post="post_norm2", multiplier="residual_multiplier")[0].terms,
+        LayerKind(sequential(post=("post_norm1", "post_norm2"), multiplier="residual_multiplier")[0].terms,
                   when="post_norm1.weight"),
         sequential(multiplier="residual_multiplier")[0],
     ), logits_times="logits_scaling",

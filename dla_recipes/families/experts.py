@@ -169,7 +169,7 @@ EXPERTS: tuple[Family, ...] = (
                  Experts("mlp.experts", shared="mlp.shared_experts.down_proj", shared_first=True),
                  reads="pre_mlp_layernorm", write=Write(post_norm="post_mlp_layernorm")),
         ), when="mlp.experts"),
-        sequential(attn_post="post_attention_layernorm", mlp_post="post_mlp_layernorm",
+        sequential(post=("post_attention_layernorm", "post_mlp_layernorm"),
                    reads=("input_layernorm", "pre_mlp_layernorm"))[0],
     ), notes="sandwich norms; gated attention; routed + shared experts after dense first blocks."),
     Family("kolibri1", ("kolibri1",), (
@@ -179,7 +179,7 @@ EXPERTS: tuple[Family, ...] = (
             Term("mlp", "post_mlp_layernorm.output", Experts("mlp.experts", shared="mlp.shared_experts.down_proj"),
                  reads="post_attention_layernorm", write=Write(post_norm="post_mlp_layernorm")),
         ), when="mlp.experts"),
-        sequential(attn_post="post_self_attn_layernorm", mlp_post="post_mlp_layernorm")[0],
+        sequential(post=("post_self_attn_layernorm", "post_mlp_layernorm"))[0],
     ), notes="sandwich norms; routed + shared experts."),
     Family("flint", ("flint",), QWEN_NEXT_KINDS, rename={"attn_name": "linear_attn"},
            notes="Qwen3-Next blocks with sliding-window and full attention only; routed experts with a sigmoid-gated "

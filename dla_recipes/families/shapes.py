@@ -14,18 +14,20 @@ from .schema import Experts, Heads, LayerKind, Neurons, Term, Write
 
 
 def sequential(
-    attn_proj: str = "o_proj",
-    mlp_proj: str = "down_proj",
+    proj: tuple[str, str] = ("o_proj", "down_proj"),
     *,
-    attn_post: str | None = None,
-    mlp_post: str | None = None,
+    post: tuple[str | None, str | None] = (None, None),
     multiplier: str | None = None,
     reads: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm"),
     parallel: bool | str = False,
-    values: str | None = "self_attn.v_proj.output",
-    values_layout: str | None = None,
+    values: tuple[str | None, str | None] = ("self_attn.v_proj.output", None),
 ) -> tuple[LayerKind, ...]:
-    """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier)."""
+    """A block that adds its attention's then its MLP's output (through an optional post-norm and multiplier).
+
+    ``proj``: the attention's and the MLP's output projections; ``post``: their post-norms (None: none);
+    ``reads``: the norms their inputs are read through; ``values``: the attention's values (a path) and their
+    layout (``"qkv"``: a fused projection's; None: the values alone)."""
+    (attn_proj, mlp_proj), (attn_post, mlp_post), (values, values_layout) = proj, post, values
     attn_out = f"{attn_post}.output" if attn_post else "self_attn.output"
     mlp_out = f"{mlp_post}.output" if mlp_post else "mlp.output"
     return (
@@ -46,13 +48,13 @@ ATTENTION = Term("attn", "self_attn.output", Heads("self_attn.o_proj", values="s
 MLA = Term("attn", "self_attn.output", Heads("self_attn.o_proj"), reads="input_layernorm")  # values inside kv_b_proj
 DENSE_MLP = Term("mlp", "mlp.output", Neurons("mlp.down_proj"), reads="post_attention_layernorm")
 ROUTED = Term("mlp", "mlp.output", Experts("mlp.experts"), reads="post_attention_layernorm")  # fused MoE
-SANDWICH = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+SANDWICH = sequential(post=("post_attention_layernorm", "post_feedforward_layernorm"),
                       reads=("input_layernorm", "pre_feedforward_layernorm"))  # Gemma 2 / 3: norms around both
 OPT_LIKE = LayerKind((  # OPT, XGLM, BioGPT: fc1 / fc2 sit on the block
     Term("attn", "self_attn.output", Heads("self_attn.out_proj"), reads="self_attn_layer_norm"),
     Term("mlp", "fc2.output", Neurons("fc2"), reads="final_layer_norm"),
 ))
-POST_NORM_ONLY = sequential(attn_post="post_attention_layernorm", mlp_post="post_feedforward_layernorm",
+POST_NORM_ONLY = sequential(post=("post_attention_layernorm", "post_feedforward_layernorm"),
                             reads=(None, None))  # OLMo 2 / 3, EXAONE-4: the sublayers read the raw stream
 
 

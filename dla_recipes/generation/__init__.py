@@ -119,7 +119,7 @@ def generation_logits(model, prompts, answer: Answer, question: Question):
         check_given(contrast, chosen, generated)
         if attr is not None:
             return attr if not isinstance(attr, PositionAttribution) else with_generation(
-                model, attr, generated, settings, contrast, chosen, chat)
+                model, attr, generated, asked, chat)
     else:
         generated = run_generation(model, plan, ids, settings, chosen, q)
         check_given(contrast, chosen, generated)
@@ -128,7 +128,7 @@ def generation_logits(model, prompts, answer: Answer, question: Question):
     attr = attribute_logits(model, sequences, Logits("next", grid, spans), q)
     if not isinstance(attr, PositionAttribution):
         return attr
-    return with_generation(model, attr, generated, settings, contrast, chosen, chat)
+    return with_generation(model, attr, generated, asked, chat)
 
 
 def for_rows(generate: dict):
@@ -202,9 +202,11 @@ def generation_value(contrast, generated: Generated, i: int) -> torch.Tensor:
     return own - generated.chosen[i]
 
 
-def with_generation(model, attr: PositionAttribution, generated: Generated, settings: Settings, contrast,
-                    chosen, chat: bool) -> GenerationAttribution:
-    """``attr`` with the answers, and the gap of each step (generation minus teacher-forced) in its diagnostics."""
+def with_generation(model, attr: PositionAttribution, generated: Generated, asked: Asked,
+                    chat: bool) -> GenerationAttribution:
+    """``attr`` with the answers, and the gap of each step (generation minus teacher-forced) in its diagnostics;
+    ``asked``: the generation's settings and contrast (as given, and its per-step ids)."""
+    settings, contrast, chosen = asked.settings, asked.contrast, asked.chosen
     gap = torch.full(tuple(attr.index.shape), float("nan"))
     for i in range(len(attr)):
         steps = int(attr.mask[i].sum())
@@ -217,5 +219,6 @@ def with_generation(model, attr: PositionAttribution, generated: Generated, sett
         rows = generated.runner_up if kind == "runner-up" else chosen
         per_step = tuple(tuple(r[:len(a)]) for r, a in zip(rows, generated.answers))
     record = Generation(generated.answers, tuple(model.tokenizer.decode(list(a)) for a in generated.answers),
-                        tuple(len(p) for p in generated.prompts), kind, per_step, gap, settings, chat)
+                        tuple(len(p) for p in generated.prompts), kind, per_step, gap=gap, settings=settings,
+                        chat=chat)
     return GenerationAttribution(sites, attr.index, attr.prompts, attr.tokens, generation=record)

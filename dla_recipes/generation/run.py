@@ -147,9 +147,10 @@ def row_of(out: tuple, k: int, stop: set[int]) -> tuple:
 
 def collect(prompts, rows: list) -> Generated:
     """The ``Generated`` record of every prompt's ``row_of``."""
-    return Generated(tuple(tuple(p) for p in prompts), tuple(r[0] for r in rows), tuple(r[1] for r in rows),
-                     tuple(tuple(int(t) for t in r[2]) for r in rows), tuple(r[3] for r in rows),
-                     tuple(r[4] for r in rows), tuple(r[5] for r in rows))
+    return Generated(prompts=tuple(tuple(p) for p in prompts), answers=tuple(r[0] for r in rows),
+                     own=tuple(r[1] for r in rows), runner_up=tuple(tuple(int(t) for t in r[2]) for r in rows),
+                     runner_up_logit=tuple(r[3] for r in rows), mean=tuple(r[4] for r in rows),
+                     chosen=tuple(r[5] for r in rows))
 
 
 def forced(prompts, answers) -> tuple[list, tuple]:

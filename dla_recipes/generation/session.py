@@ -27,7 +27,7 @@ from ..result import Of, assemble, layout_of, rows_of
 from ..selfcheck import model_dtype
 from ..trace.calls import LogitCall
 from ..trace.reading import Reading, Where
-from ..transport.batches import groups, prepare
+from ..transport.batches import Group, groups, prepare
 from ..transport.remote import register_for_remote, retry_or_raise
 from ..transport.session import How, Work, run_sessions, trace_options, unpack
 from .inputs import Settings
@@ -73,7 +73,7 @@ class Forced:
         sequences, spans = forced(self.prompts, answers)
         grid = contrast_grid(self.contrast, answers, [[int(t) for t in r[2]] for r in rows],
                              None if self.chosen is None else list(self.chosen))
-        return prepare(model, sequences, "next", grid, spans, rows=list(self.group))
+        return prepare(model, sequences, "next", grid, spans, Group(list(self.group)))
 
     def call(self, plan, batch) -> LogitCall:
         """The batch's in-trace attribution."""

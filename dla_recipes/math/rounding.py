@@ -8,6 +8,7 @@ Tensors in, tensors out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -70,19 +71,31 @@ def binade(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp((mantissa != 0).float(), exponent - 1)  # 0 at 0, whose mantissa is 0 (a NaN's or inf's is not)
 
 
-def rounding_scales(stream, direction, scale, output, head, rounding: Rounding | None, size, scores,
-                    extra_adds: int = 0, computed_in: torch.dtype = torch.float32,
-                    finite: torch.Tensor | None = None) -> dict:
+class NormRead(NamedTuple):
+    """The frozen norm the attribution is read through, as the self-check bounds it: ``stream`` ``[batch,
+    d_model]`` entering it, read along ``direction`` times ``scale``; ``output`` its output, read along ``head``;
+    ``finite`` ``[batch]`` float, 1 where ``direction`` and ``head`` are finite, when known already (else read
+    by ``rounding_scales``)."""
+
+    stream: torch.Tensor
+    direction: torch.Tensor
+    scale: torch.Tensor
+    output: torch.Tensor
+    head: torch.Tensor
+    finite: torch.Tensor | None = None
+
+
+def rounding_scales(norm: NormRead, rounding: Rounding | None, size, scores, extra_adds: int = 0,
+                    computed_in: torch.dtype = torch.float32) -> dict:
     """The ``Readout`` fields the self-check bounds the model's own rounding with (``[batch]`` tensors on the
     device, or floats; ``Readout.gathered`` brings them to the host with the values).
 
-    ``stream`` ``[batch, d_model]`` entering the frozen norm, read along ``direction`` times ``scale``; ``output``
-    the norm's output read along ``head``; ``rounding`` what the trace collected (``Rounding``; None in float32);
-    ``size`` the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite number starts);
-    ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with ``stream``;
-    ``computed_in`` the dtype the model computed in (``unit_roundoff``); ``finite`` ``[batch]`` float, 1 where
-    ``direction`` and ``head`` are finite, when known already (else read here).
+    ``norm``: the frozen norm read (``NormRead``); ``rounding`` what the trace collected (``Rounding``; None in
+    float32); ``size`` the logits' own magnitude; ``scores`` ``[batch, n_components]`` unscaled (where a non-finite
+    number starts); ``extra_adds`` the adds after the last whole block (before a direction's norm), bounded with
+    the stream; ``computed_in`` the dtype the model computed in (``unit_roundoff``).
     """
+    stream, direction, scale, output, head, finite = norm
     def norm2(a, b):  # in float64: squares of large finite activations must not overflow
         return ((a.double() * b.to(a.device).double()) ** 2).sum(-1).sqrt().float()
 

@@ -245,7 +245,7 @@ class PositionAttribution:
             s, values=values, constant=constant, logit=logit, output_logit=add(s.output_logit),
             error=float(gaps.max()) if batch else 0.0, prompts=self.prompts, diagnostics=diagnostics,
             positions=tuple(tuple(p for p in row if p is not None) for row in positions),
-            target_tokens=self._described(s.target_tokens),
+            target_tokens=self._described(s.target_tokens) if s.target_tokens else s.target_tokens,  # a direction: ()
             contrast_tokens=None if s.contrast_tokens is None else self._described(s.contrast_tokens),
         )
 

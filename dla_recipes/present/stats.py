@@ -20,6 +20,7 @@ typed choice passed as ``reduce=`` (its replicates, its seed, paired prompts).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -106,13 +107,14 @@ class AttributionStats:
     paired: bool = False
 
     @classmethod
-    def from_accumulators(cls, labels, count, mean, m2, positive, boot, weight, flip, **meta) -> AttributionStats:
-        """From one batch's (or any set of samples') accumulators (``math.stats.accumulate``'s names)."""
+    def from_accumulators(cls, labels, accumulators: Mapping, **meta) -> AttributionStats:
+        """From one batch's (or any set of samples') accumulators: ``count`` and ``ACCUMULATORS`` by name
+        (``math.stats.accumulate``'s names); ``meta``: the other fields."""
         def f64(value):
             return torch.as_tensor(value, dtype=torch.float64).cpu()
 
-        stats = cls(tuple(labels), round(float(count)), mean=f64(mean), m2=f64(m2), positive=f64(positive),
-                    boot=f64(boot), weight=f64(weight), flip=f64(flip), **meta)
+        stats = cls(tuple(labels), round(float(accumulators["count"])),
+                    **{name: f64(accumulators[name]) for name in ACCUMULATORS}, **meta)
         if stats.mean.shape != (len(stats.labels) + len(EXTRA),) or stats.boot.shape != stats.flip.shape:
             raise InputError(f"accumulators of {tuple(stats.mean.shape)} columns for {len(stats.labels)} labels "
                              f"(+ {', '.join(EXTRA)}); boot {tuple(stats.boot.shape)}, flip {tuple(stats.flip.shape)}")
@@ -203,5 +205,5 @@ class AttributionStats:
         if not isinstance(state, dict) or state.get("format") != "dla_recipes.AttributionStats":
             raise InputError(f"{path}: not a file AttributionStats.save wrote")
         fields = dict(state["fields"])
-        return cls.from_accumulators(state["labels"], *(fields.pop(name) for name in ("count",) + ACCUMULATORS),
+        return cls.from_accumulators(state["labels"], {name: fields.pop(name) for name in ("count",) + ACCUMULATORS},
                                      **fields)

@@ -51,7 +51,7 @@ from ..errors import InputError
 from ..math.adds import AddCheck
 from ..math.frozen_norm import probe_norm
 from ..math.linalg import dot, exact, on
-from ..math.rounding import Rounding, rounding_scales, stream_sumsq, unit_roundoff
+from ..math.rounding import NormRead, Rounding, rounding_scales, stream_sumsq, unit_roundoff
 from ..plan.build import module_at
 from ..plan.plan import Plan
 from . import plain
@@ -67,7 +67,7 @@ from .readers import Sites, at, layer_input, layer_output, read_site
 from .reading import Reading, Where
 from .readout import Readout
 from .targets import as_target
-from .terms import layer_reads, layer_scores, term_directions
+from .terms import BlockCall, Found, layer_reads, layer_scores, term_directions
 
 # Up to this many sites a block's arithmetic waits until the model's last block has run (its reads, [sites, width] a
 # term, are kept until then) and runs in one stretch: between two blocks each op starts on caches the model's block
@@ -152,9 +152,8 @@ def decompose(model, plan: Plan, direction: torch.Tensor, where: Where, reading:
 
     def score_pending():  # the arithmetic of every pending block, in forward order
         nonlocal scores, carried
-        for i, terms, block, split in pending:
-            for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], block, split,
-                                                            rounding, edits, i, memo):
+        for i, terms, block, call in pending:
+            for score, hyper, before, after in layer_scores(model.layers[i], terms, per_layer[i], block, call, memo):
                 if before is not None:  # a norm on the stream scales everything written before it
                     scores = scaled(scores, before)
                 if hyper is not None:  # streams <- comb^T streams, then the term is written with weights post
@@ -190,8 +189,9 @@ def decompose(model, plan: Plan, direction: torch.Tensor, where: Where, reading:
             entering, writes = at(stream if i == 0 else layer_input(model, i), sites, keep=True), []
             if adds.last is not None and adds.last[0] == i - 1:
                 adds.between(i - 1, adds.last[1], entering)
-        block = layer_reads(model.layers[i], terms, by, sites, fit_errors, split, rounding, edits, i, patterns, writes)
-        pending.append((i, terms, block, split))
+        call = BlockCall(by, i, split, rounding, edits)
+        block = layer_reads(model.layers[i], terms, sites, call, Found(fit_errors, patterns, writes))
+        pending.append((i, terms, block, call))
         if not defer:
             score_pending()
         if i in checked or (rounding is not None and per_layer[i] and (stop is None or i < stop[0])):
@@ -330,8 +330,8 @@ def direct_logit_attribution(
         logit = out if shared else scaled_by(linear_targets.read_logits(target, head, means[0]), plan.logit_scale)
         size = scaled_by(linear_targets.logit_size(target, head, means[2]), abs(plan.logit_scale))
         computed = activations_dtype(weight, head_out.dtype, *(() if adds is None else (adds.dtype,)))
-        checks = rounding_scales(x, direction, scale, y, final_head.logit_rows, rounding, size, scores,
-                                 computed_in=computed, finite=final_head.finite)  # reads the scores unscaled
+        read = NormRead(x, direction, scale, y, final_head.logit_rows, final_head.finite)
+        checks = rounding_scales(read, rounding, size, scores, computed_in=computed)  # reads the scores unscaled
         scores.mul_(on(scale, scores.device).unsqueeze(-1))  # in place: no second [n, components]
         pattern_error, pattern_layer = worst_pattern(patterns, buffer.device)
         return Readout.gathered(buffer, constant=constant, logit=logit, output_logit=out, head_error=head_error,
@@ -385,8 +385,8 @@ def direction_attribution(
         frozen = probe.freeze(stream, output)
         fit_errors.append(frozen.fit_error)
         own = dot(output, v)  # the model's own normed stream, read along the direction
-        checks = rounding_scales(stream, pulled, frozen.scale, output, v, rounding, 0.0, scores,
-                                 len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0,
+        extra = len(plan.terms_before(stop)[stop[0]]) if len(plan.terms_before(stop)) > stop[0] else 0
+        checks = rounding_scales(NormRead(stream, pulled, frozen.scale, output, v), rounding, 0.0, scores, extra,
                                  computed_in=activations_dtype(weight, output.dtype, adds.dtype))
         scores.mul_(frozen.scale.to(scores.device).unsqueeze(-1))  # in place
         return Readout.gathered(buffer, constant=dot(v, probe.bias), logit=own, output_logit=own,

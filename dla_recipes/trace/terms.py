@@ -268,15 +268,35 @@ def finished(parts: torch.Tensor, rest, written, noise, edits: bool):
     return torch.cat([parts, rest.unsqueeze(-1)], -1), (gap, noise.to(parts.device))
 
 
-def layer_reads(layer, terms: tuple[PlannedTerm, ...], by: Granularity, sites: Sites, fit_errors: list,
-                split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
-                index: int = 0, patterns: list | None = None, writes: list | None = None) -> BlockReads:
+class BlockCall(NamedTuple):
+    """How one block is read and scored: ``by``, its ``index``, its ``SourceSplit`` (``by="source"``), the
+    ``Rounding`` collector (low precision only: a checked split term reads its write whole too) and ``edits``
+    (each split term reads its write whole: its ``.edit`` column)."""
+
+    by: Granularity
+    index: int = 0
+    split: sources.SourceSplit | None = None
+    rounding: Rounding | None = None
+    edits: bool = False
+
+
+class Found(NamedTuple):
+    """What reading the blocks collects: ``fit_errors`` (every frozen norm's), ``patterns`` (``(rebuild error,
+    index)`` of the heads split by source, or None) and ``writes`` (each term's write as added,
+    ``adds.written_at``: the per-add check; None: not read)."""
+
+    fit_errors: list
+    patterns: list | None = None
+    writes: list | None = None
+
+
+def layer_reads(layer, terms: tuple[PlannedTerm, ...], sites: Sites, call: BlockCall, found: Found) -> BlockReads:
     """What scoring one block's terms needs, read in forward order (``layer_scores`` does the arithmetic, then or
-    later). ``split``: the block's ``SourceSplit`` (``by="source"``); ``rounding``: low precision (a checked split
-    term reads its write whole too); ``edits``: each split term reads its write whole (its ``.edit`` column);
-    ``index``: the block's index; ``patterns`` collects ``(rebuild error, index)`` of the heads split by source;
-    ``writes`` collects each term's write as added (``adds.written_at``: the per-add check). A shared
-    ``outer_norm`` is read right after the last term that names it (its place in the forward pass)."""
+    later): ``call`` says how (``BlockCall``), ``found`` collects the norms' fit errors, the source split's
+    rebuild errors and the writes as added (``Found``). A shared ``outer_norm`` is read right after the last term
+    that names it (its place in the forward pass)."""
+    by, split, rounding, edits, index = call.by, call.split, call.rounding, call.edits, call.index
+    fit_errors, patterns, writes = found
     modes = [planned.mode(by) for planned in terms]
     modes = ["heads" if m == "sources" and (split is None or not any(split.heads(p.parts))) else m
              for m, p in zip(modes, terms)]  # a block none of whose heads is split reads them whole
@@ -311,17 +331,17 @@ class BlockReads(NamedTuple):
     outers: dict
 
 
-def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, block: BlockReads,
-                 split: sources.SourceSplit | None = None, rounding: Rounding | None = None, edits: bool = False,
-                 index: int = 0, memo=None):
+def layer_scores(layer, terms: tuple[PlannedTerm, ...], directions, block: BlockReads, call: BlockCall, memo=None):
     """``(scores [batch, n], hyper, before, after)`` of each of one block's terms, from its reads (``block``).
     ``hyper`` is the term's ``(post, comb)`` on a family with parallel streams, else None; ``before`` ``[batch]``
     the frozen scale of a norm applied to the stream before the term, ``after`` ``(scale [batch], bias constant
     [batch])`` of a norm right after it (else None). ``rounding`` (low precision only) collects each checked split
     term's gap and squared noise (``Readout.split_gap``); ``edits``: each split term's gap is a column of its own,
-    before its rest (``score_term``); ``index``: the block's index (names a checked term); ``memo(key, make)``: the
-    call's ``Prepared`` (``trace.prepared``), keyed by ``(index, k, name)`` for term ``k``.
+    before its rest (``score_term``); ``index``: the block's index (names a checked term); ``call``: those, and
+    the block's source split (``BlockCall``); ``memo(key, make)``: the call's ``Prepared`` (``trace.prepared``),
+    keyed by ``(index, k, name)`` for term ``k``.
     """
+    split, rounding, edits, index = call.split, call.rounding, call.edits, call.index
     modes, reads, outers = block
     scores, biased, how = [], set(), Scoring(split, edits)
     for k, planned in enumerate(terms):

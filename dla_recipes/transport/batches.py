@@ -192,16 +192,24 @@ def check_single_pass(model, seq: int, rows: Sequence[int]) -> None:
         )
 
 
-def prepare(model, prompts, target, contrast=None, position=-1, rows: Sequence[int] | None = None,
-            ids: Sequence[Sequence[int]] | None = None) -> Batch:
+class Group(NamedTuple):
+    """A batch of a larger call: ``rows``, each prompt's index in the user's list (errors name the prompt the user
+    knows; None: ``0..n-1``), and ``ids``, each prompt's own token ids already tokenized (``token_ids``, or an
+    earlier batch's ``Batch.ids``: padded, not tokenized again; None: tokenized here)."""
+
+    rows: Sequence[int] | None = None
+    ids: Sequence[Sequence[int]] | None = None
+
+
+def prepare(model, prompts, target, contrast=None, position=-1, group: Group | None = None) -> Batch:
     """Check and tokenize a batch; see the module docstring. ``position`` counts each prompt's own tokens
     (``args.check_position``: an int, a list, a slice, ``"all"``); ``prompts`` are texts or token ids
     (``args.check_prompts``).
 
-    ``rows``: each prompt's index in the user's list (a batch of a larger call), so that errors name the prompt
-    the user knows; default ``0..n-1``. ``ids``: each prompt's own token ids, already tokenized as this function
-    would (``token_ids``, or an earlier batch's ``Batch.ids``): they are padded, not tokenized again.
+    ``group``: the batch's place in a larger call (``Group``: the user's index of each prompt, and its ids when
+    already tokenized as this function would).
     """
+    rows, ids = group if group is not None else (None, None)
     prompts = check_prompts(prompts)
     rows = list(rows) if rows is not None else list(range(len(prompts)))
     for i, prompt in zip(rows, prompts):
@@ -322,7 +330,7 @@ def groups(model, plan, prompts: list, batch_size: int | None, ids: Sequence | N
 
 def token_ids(model, plan, prompts: Sequence, every: bool = False) -> list[list[int]] | None:
     """Each prompt's own token ids as ``prepare`` tokenizes it, in ONE tokenizer call, on a padding-unsafe family
-    (``every``: on any family): grouped by length (``groups``), then padded into each batch (``prepare(ids=...)``).
+    (``every``: on any family): grouped by length (``groups``), then padded into each batch (``prepare(..., Group(rows, ids))``).
     None on a padding-safe family (each batch is tokenized once, in ``prepare``) or without a tokenizer."""
     tokenizer = model.tokenizer
     if (plan.family.padding_safe and not every) or tokenizer is None:

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import RemoteError
 from .remote import is_transient, register_for_remote, remote_error
-from .session import JOB_LIMIT, JobLimit, chunks, session_work, unpack
+from .session import JOB_LIMIT, How, Work, chunks, session_work, unpack
 from .versions import check_versions
 
 IN_PROGRESS = ("SUBMITTED", "RECEIVED", "QUEUED", "PROVISIONING", "DEPLOYING", "DISPATCHED", "RUNNING", "LOG")
@@ -68,14 +68,15 @@ def submit_session(model, plan, batches: Sequence, calls: Sequence, remote, inte
 class RemoteJob:
     """The handle of a non-blocking remote ``attribute``: ``status()``, ``result()``, ``resume()`` (module docs)."""
 
-    def __init__(self, model, plan, batches: Sequence, calls: Sequence, *, remote, finish: Callable,
-                 intervene=None, limit: JobLimit | None = None):
-        self.model, self.plan, self.batches, self.calls = model, plan, tuple(batches), tuple(calls)
-        self.remote, self.intervene, self.finish = remote, intervene, finish
-        per_job = (limit or JOB_LIMIT).per_job()
+    def __init__(self, model, plan, work: Work, how: How, finish: Callable):
+        """Submit ``work`` (its batches, calls and edit) as ``how`` says (its ``remote`` and job ``limit``);
+        ``finish(readouts)`` assembles the result once every job is back."""
+        self.model, self.plan, self.batches, self.calls = model, plan, tuple(work.batches), tuple(work.calls)
+        self.remote, self.intervene, self.finish = how.remote, work.intervene, finish
+        per_job = (how.limit or JOB_LIMIT).per_job()
         self.jobs = [Job(part) for part in chunks(0, len(self.batches), per_job)]
         self.attribution = None
-        check_versions(remote)
+        check_versions(how.remote)
         self.send()
 
     def __repr__(self) -> str:

@@ -36,6 +36,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -49,6 +50,23 @@ from .protocol import (
     READY_PREFIX,
     SERVER_SCRIPT,
 )
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """A ``LoopbackServer``'s options (see its docstring): each a keyword of ``LoopbackServer(models, api_key,
+    **options)``."""
+
+    port: int | None = None
+    inline_limit: int = DEFAULT_INLINE_LIMIT
+    blocked_imports: tuple[str, ...] = DEFAULT_BLOCKED_IMPORTS
+    startup_timeout: float = 180.0
+    log_path: str | os.PathLike | None = None
+    threads: int = 1
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    autocast: bool = False
+    ndif: bool = False
+    min_nnsight_version: str | None = None
 
 
 class LoopbackServerError(RuntimeError):
@@ -77,22 +95,10 @@ class LoopbackServer:
             (``ndif.services.api.versioning``, NDIF's ``NDIF_MIN_NNSIGHT_VERSION``).
     """
 
-    def __init__(
-        self,
-        models: Mapping[str, str | os.PathLike],
-        api_key: str,
-        *,
-        port: int | None = None,
-        inline_limit: int = DEFAULT_INLINE_LIMIT,
-        blocked_imports: tuple[str, ...] = DEFAULT_BLOCKED_IMPORTS,
-        startup_timeout: float = 180.0,
-        log_path: str | os.PathLike | None = None,
-        threads: int = 1,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        autocast: bool = False,
-        ndif: bool = False,
-        min_nnsight_version: str | None = None,
-    ) -> None:
+    def __init__(self, models: Mapping[str, str | os.PathLike], api_key: str, **options) -> None:
+        """``options``: ``ServerOptions``' fields by name (a name it has not raises ``TypeError``)."""
+        given = ServerOptions(**options)
+        port, log_path = given.port, given.log_path
         if not models:
             raise ValueError("LoopbackServer needs at least one model: {name: folder}.")
         if not api_key:
@@ -103,15 +109,15 @@ class LoopbackServer:
                 raise ValueError(f"model {name!r}: {folder} has no config.json")
         self.api_key = api_key
         self.port = port
-        self.inline_limit = inline_limit
-        self.blocked_imports = tuple(blocked_imports)
-        self.startup_timeout = startup_timeout
+        self.inline_limit = given.inline_limit
+        self.blocked_imports = tuple(given.blocked_imports)
+        self.startup_timeout = given.startup_timeout
         self.log_path = Path(log_path) if log_path else None
-        self.threads = int(threads)
-        self.max_request_bytes = int(max_request_bytes)
-        self.autocast = bool(autocast)
-        self.ndif = bool(ndif)
-        self.min_nnsight_version = min_nnsight_version
+        self.threads = int(given.threads)
+        self.max_request_bytes = int(given.max_request_bytes)
+        self.autocast = bool(given.autocast)
+        self.ndif = bool(given.ndif)
+        self.min_nnsight_version = given.min_nnsight_version
         self.process: subprocess.Popen | None = None
         self.stopped: subprocess.Popen | None = None  # the last process stop() ended
         self._finalizer = None
