@@ -116,16 +116,17 @@ def pad_id(model, settings: Settings) -> int:
     return pad if pad is not None else next(iter(sorted(eos_ids(model, settings))), 0)
 
 
-def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, question) -> Generated:
+def generate(model, plan, prompts: list, settings: Settings, chosen: list | None, question=None) -> Generated:
     """The answers of ``prompts`` (own ids ``[n][P_b]``), generated locally; ``chosen``: per-step contrast ids
     ``[n][max_new_tokens]`` (None: no such contrast); ``question``: the call's ``Question`` (its ``batch_size``
-    and ``intervene``)."""
+    and ``intervene``; None: all in one batch, unedited)."""
+    batch_size, intervene = (None, None) if question is None else (question.batch_size, question.intervene)
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
     rows: list = [None] * len(prompts)
-    for group in groups(model, plan, prompts, question.batch_size, [list(p) for p in prompts]):
+    for group in groups(model, plan, prompts, batch_size, [list(p) for p in prompts]):
         encoding = left_padded([prompts[i] for i in group], pad)
         out = generate_group(model, encoding, settings, chosen_ids(chosen, group, settings.max_new_tokens),
-                             question.intervene)
+                             intervene)
         for k, i in enumerate(group):
             rows[i] = row_of(out, k, stop)
     return collect(prompts, rows)
