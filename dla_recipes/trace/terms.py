@@ -34,14 +34,21 @@ from .kinds import TermAt, conv, experts, features, linear, routed, sources
 from .readers import Sites, at, frozen_at, param, read_site
 
 KINDS: dict[str, ModuleType] = {"linear": linear, "conv": conv, "routed": routed, "experts": experts}
+# the modes whose kind is the mode's, whatever the term's own: a heads term split by source position
+# (``plan.PlannedTerm.mode``: by="source"), a term carrying a dictionary split by its latents
+MODE_KINDS: dict[str, ModuleType] = {"sources": sources, "features": features}
 
 
 def kind_module(planned: PlannedTerm, mode: str) -> ModuleType:
-    """The ``trace.kinds`` module reading and scoring ``planned``'s parts at ``mode`` (``by="source"`` splits a
-    linear heads term through its pattern; a term carrying a dictionary splits by its latents)."""
-    if mode == "features":
-        return features
-    return sources if mode == "sources" else KINDS[planned.kind]
+    """The ``trace.kinds`` module reading and scoring ``planned``'s parts at ``mode`` (``MODE_KINDS``, else the
+    term's own kind)."""
+    return MODE_KINDS.get(mode) or KINDS[planned.kind]
+
+
+def on_write(kind: ModuleType | None) -> bool:
+    """Whether a kind is scored along the direction on the term's write itself, read whole (``kinds.features``),
+    rather than through the term's projection; None (the term whole) is."""
+    return kind is None or getattr(kind, "ON_WRITE", False)
 
 
 @dataclass
@@ -162,12 +169,14 @@ def read_term(term_at: TermAt, sites: Sites, own: bool = True, edits: bool = Fal
         post, comb = module_at(layer, term.hyper).output[:2]  # comb: [b, s, n, n]; HY-V4 has none (its 2nd is [b, s, d])
         comb = at(comb, sites) if comb.dim() == post.dim() + 1 else None  # None: the streams are not mixed
         reads.hyper = (at(post, sites), comb)
-    if mode == "features":  # a dictionary's input (a transcoder's, before the write), then the write whole
-        reads.parts = features.read(layer, planned, mode, sites)
-    if mode is None or mode == "features":
+    kind = None if mode is None else kind_module(planned, mode)
+    if kind is None:
         reads.value = at(read_site(layer, term.output, batch), sites, keep=True)  # read in float32 by its product
+    elif on_write(kind):  # its reads in forward order (a transcoder's input, then the write whole)
+        reads.parts = kind.read(layer, planned, mode, sites)
+        reads.value = reads.parts.value
     else:
-        reads.parts = kind_module(planned, mode).read(layer, planned, mode, sites)
+        reads.parts = kind.read(layer, planned, mode, sites)
         if term.write.post_norm is not None:  # frozen at the sites; its whole input and output kept for the sources
             norm = module_at(layer, term.write.post_norm)
             reads.post_norm_io = (read_site(norm, "input", batch), read_site(norm, "output", batch))
@@ -219,15 +228,13 @@ def score_term(term_at: TermAt, reads: TermReads, v: torch.Tensor, outer: Outer 
         if not isinstance(rest, torch.Tensor):
             return (score if rest == 0.0 else score + rest), None
         return score + on(rest, score.device).reshape(-1, 1), None
-    if mode == "features":  # the latents, decoder bias, skip, error, then the rest (the write's own bias)
-        parts = features.score(layer, planned, reads.parts, reads.value, u)
-        rest = (rest.to(device=parts.device, dtype=parts.dtype) if isinstance(rest, torch.Tensor)
-                else parts.new_full((), float(rest))).expand(parts.shape[0])  # a float: filled there, not copied
-        return torch.cat([parts, rest.unsqueeze(-1)], -1), None
+    kind = kind_module(planned, mode)
+    if on_write(kind):  # its parts along u on the write itself (a dictionary's latents, bias, skip, error), then
+        parts, rest, _ = kind.score(term_at, reads.parts, u, rest, split)  # the rest (the write's own bias)
+        return finished(parts, rest, None, None, edits)
     held = reads.written is not None and (edits or checks_split(planned, mode))  # its gap is a column, or held
     written = dot(reads.written, u) + rest if held else None  # [batch] what it really wrote
     noise = roundings(planned) * ((reads.written * u.to(reads.written.device)) ** 2).sum(-1) if held else None
-    kind = kind_module(planned, mode)
     static = getattr(kind, "static", None)  # the kind's pull-back, made once where it depends on u alone
     if static is not None and outer is None and reads.post_norm is None:
         pulled = memo(mode, lambda: static(layer, planned, mode, projected(layer, planned, u), rest))
@@ -309,7 +316,8 @@ def layer_reads(layer, terms: tuple[PlannedTerm, ...], sites: Sites, call: Block
         reads.append(read_term(TermAt(layer, planned, modes[k]), sites, own=rounding is not None, edits=edits,
                                whole=writes is not None))
         if writes is not None:
-            writes.append(written_at(layer, planned, reads[-1].value if modes[k] in (None, "features") else reads[-1].written))
+            write = reads[-1].value if reads[-1].value is not None else reads[-1].written  # as the term added it
+            writes.append(written_at(layer, planned, write))
         if paths is not None:
             paths.after(layer, planned, modes[k], reads[-1])
         reads[-1].post_norm_io = None  # the post-norm's whole input and output: not kept past its term

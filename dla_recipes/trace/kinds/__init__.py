@@ -2,8 +2,11 @@
 
 Each module has a reads record, ``read(layer, planned, mode, sites)`` returning it (in forward order) and
 ``score(term, reads, u, rest, split)`` returning ``(parts [batch, parts], rest, rounding)``, ``term`` a ``TermAt``
-(the block's module, the planned term and its mode). ``trace.terms.KINDS`` maps ``PlannedTerm.kind`` to its module;
-a new kind is one module here, one record in ``families.schema`` and one case in ``plan.build.kind_of``.
+(the block's module, the planned term and its mode). ``trace.terms.KINDS`` maps ``PlannedTerm.kind`` to its module,
+``trace.terms.MODE_KINDS`` the modes that choose their own (``"sources"``, ``"features"``); a kind whose parts are
+read along the direction on the term's write itself, not through its projection, says ``ON_WRITE = True`` (its reads
+carry the write whole as ``value``: ``features``). A new kind is one module here, one record in
+``families.schema`` and one case in ``plan.build.kind_of``.
 """
 
 from __future__ import annotations

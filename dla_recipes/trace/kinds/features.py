@@ -28,21 +28,30 @@ from ...math.linalg import dot, exact
 from ...plan.build import module_at
 from ...plan.plan import Plan, PlannedTerm
 from ..readers import Sites, at, layer_input, read_site
+from . import TermAt
+
+# The kind is scored along the direction on the term's write itself, read whole (``value``), not through its
+# projection: ``trace.terms`` reads and scores every kind the same way and asks only this.
+ON_WRITE = True
 
 
 @dataclass
 class FeatureReads:
-    """What a dictionary split reads before the term's write: ``inputs`` ``[n, d_model]`` what a transcoder's
-    sublayer reads (its norm's output), in the model's dtype; None for an SAE (it reads the write)."""
+    """What a dictionary split reads, in forward order: ``inputs`` ``[n, d_model]`` what a transcoder's sublayer
+    reads (its norm's output; None for an SAE, which reads the write), then ``value`` ``[n, d_model]`` the term's
+    write, whole; both in the model's dtype."""
 
     inputs: torch.Tensor | None = None
+    value: torch.Tensor | None = None
 
 
 def read(layer, planned: PlannedTerm, mode: str, sites: Sites) -> FeatureReads:
-    """Read a transcoder's input (the output of the norm its sublayer reads the stream through) at the sites."""
-    if planned.dictionary.reads != "input":
-        return FeatureReads()
-    return FeatureReads(at(read_site(module_at(layer, planned.term.reads), "output", sites.batch), sites, keep=True))
+    """Read a transcoder's input (the output of the norm its sublayer reads the stream through), then the term's
+    write, at the sites."""
+    inputs = None
+    if planned.dictionary.reads == "input":
+        inputs = at(read_site(module_at(layer, planned.term.reads), "output", sites.batch), sites, keep=True)
+    return FeatureReads(inputs, at(read_site(layer, planned.term.output, sites.batch), sites, keep=True))
 
 
 def split(dictionary, x: torch.Tensor, written: torch.Tensor, u: torch.Tensor, skip: bool) -> torch.Tensor:
@@ -65,12 +74,13 @@ def split(dictionary, x: torch.Tensor, written: torch.Tensor, u: torch.Tensor, s
         return torch.cat(columns + [error.unsqueeze(-1)], -1)
 
 
-def score(layer, planned: PlannedTerm, reads: FeatureReads, value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``[n, d_sae + 3 (+1)]``: the term's latents' parts, decoder bias, skip and error along ``u`` on its write
-    ``value`` ``[n, d_model]`` (the term's rest is the caller's)."""
-    d = planned.dictionary
+def score(term: TermAt, reads: FeatureReads, u: torch.Tensor, rest, split_heads=None):
+    """``(parts [n, d_sae + 3 (+1)], rest, None)``: the term's latents' parts, decoder bias, skip and error along
+    ``u`` on its write (``reads.value``), as every kind's ``score`` returns its parts; the rest is the term's own
+    (its write's bias), unchanged."""
+    d, value = term.planned.dictionary, reads.value
     x = value if reads.inputs is None else reads.inputs
-    return split(d, x, value, u.to(value.device), d.W_skip is not None)
+    return split(d, x, value, u.to(value.device), d.W_skip is not None), rest, None
 
 
 def stream_scores(model, plan: Plan, sites: Sites, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
