@@ -61,10 +61,10 @@ def attribute_direction(
             position): a direction on the norm's output (a probe, a query direction, a difference of means).
         layer, sublayer: the block and its sublayer (``"attn"``, ``"mlp"``, ...; names as in the labels) whose
             norm reads the stream: ``sublayer="mlp"`` is ``ln2`` / ``post_attention_layernorm``.
-        position, by, dictionaries, sources, intervene, check, tolerance, reduce, remote, blocking, batch_size,
-            progress, fast: as in ``attribute`` (``check="adds"`` holds the adds of the blocks before ``layer``;
-            ``dictionaries`` split the terms written before it, a stream dictionary only where it enters a block
-            before ``layer``).
+        position, by, dictionaries, sources, intervene, check, tolerance: as in ``attribute`` (``check="adds"``
+            holds the adds of the blocks before ``layer``; ``dictionaries`` split the terms written before it, not
+            the stream; ``by="source"`` splits the heads of the blocks before it).
+        reduce, remote, blocking, batch_size, progress, fast: as in ``attribute``.
 
     Returns:
         An ``Attribution`` (several positions: a ``PositionAttribution``) whose ``logit`` is
