@@ -94,15 +94,10 @@ def head_layers(plan: Plan) -> list[int]:
 
 def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None, str | None]:
     """``(layers, top_heads, upstream)`` from the user's ``sources`` dict (None: every head of every attention
-    block, not split upstream)."""
+    block, not split upstream), its blocks checked against the plan; its keys, ``upstream`` and ``top_heads`` were
+    checked with the question (``question.ask``)."""
     sources = dict(sources or {})
-    unknown = set(sources) - set(OPTIONS)
-    if unknown:
-        raise InputError(f"sources has unknown keys {sorted(unknown)}: use {', '.join(OPTIONS)}")
     upstream = sources.get("upstream")
-    if upstream is not None and upstream not in UPSTREAM:
-        raise InputError(f"sources['upstream'] must be one of {', '.join(map(repr, UPSTREAM))} (or None), "
-                         f"got {upstream!r}")
     all_layers = head_layers(plan)
     layers = sources.get("layers")
     if layers is None:
@@ -116,10 +111,7 @@ def parse(plan: Plan, sources: dict | None) -> tuple[list[int], int | None, str 
         missing = [i for i in layers if i not in all_layers]
         if missing:
             raise InputError(f"blocks {missing} have no attention heads to split by source")
-    top = sources.get("top_heads")
-    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 1):
-        raise InputError(f"sources['top_heads'] must be a positive int, got {top!r}")
-    return list(layers), top, upstream
+    return list(layers), sources.get("top_heads"), upstream
 
 
 def _bad_layer(i, n):
