@@ -170,15 +170,6 @@ def check_prompts(prompts) -> list[Prompt]:
     return out
 
 
-def check_call(prompts, by, batch_size, tolerance, remote=False) -> tuple[list[str], int | None, float | None]:
-    """The model-free checks at the top of ``attribute`` / ``attribute_direction``: ``(prompts, batch_size,
-    tolerance)`` checked and converted; ``by`` checked to be a granularity, ``remote`` a bool or a server URL."""
-    check_granularity(by)
-    check_remote(remote)
-    prompts = check_prompts(prompts)
-    return prompts, check_batch_size(batch_size), check_tolerance(tolerance)
-
-
 def check_granularity(by) -> str:
     """``by``, or an ``InputError`` (suggesting the closest name) unless it is one of ``GRANULARITIES``."""
     if not isinstance(by, str) or by not in GRANULARITIES:

@@ -41,10 +41,12 @@ class Settings:
     def sampled(self) -> bool:
         return bool(dict(self.options).get("do_sample", False))
 
-    def kwargs(self) -> dict:
-        """The keyword arguments of ``model.generate``: these settings, and each step's raw logits returned."""
+    def kwargs(self, edited: bool = False) -> dict:
+        """The keyword arguments of ``model.generate``: these settings, and each step's raw logits returned;
+        ``edited`` (an ``intervene`` edit runs at every step): no KV cache, so every step is a forward pass over the
+        whole prefix and an edit that indexes positions edits the same ones at every step."""
         return {**dict(self.options), "max_new_tokens": self.max_new_tokens, "output_logits": True,
-                "return_dict_in_generate": True}
+                "return_dict_in_generate": True, **({"use_cache": False} if edited else {})}
 
 
 def is_message(value) -> bool:

@@ -71,7 +71,7 @@ def generate_group(model, encoding: dict, settings: Settings, chosen: torch.Tens
 
     ``intervene``: the edit runs at every step (``tracer.all()``), each step a forward pass over the whole prefix
     (``use_cache=False``), so an edit that indexes positions edits the same ones at every step."""
-    kwargs = settings.kwargs() | ({} if intervene is None else {"use_cache": False})
+    kwargs = settings.kwargs(edited=intervene is not None)
     width = int(encoding["input_ids"].shape[1])
     with torch.random.fork_rng(devices=_devices(model)):
         if settings.seed is not None:

@@ -141,7 +141,7 @@ def generation_work(model, plan, prompts: list, asked: Asked, question):
     the question splits by source or reduces to statistics, which ``attribute`` does after)."""
     settings, chosen, q = asked.settings, asked.chosen, question
     stop, pad = eos_ids(model, settings), pad_id(model, settings)
-    kwargs = settings.kwargs() | ({} if q.intervene is None else {"use_cache": False})
+    kwargs = settings.kwargs(edited=q.edits)
     attributes = q.by != "source" and q.stats is None
     reading = q.reading()
     run_groups = groups(model, plan, prompts, q.batch_size, [list(p) for p in prompts])
