@@ -162,27 +162,39 @@ def cmd_remote(args, entry, ids) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 def section(runner, spec_path, models=MODELS, repeats: int = 5, warmup: int = 1, batch: int = BATCH,
-            tokens: int = TOKENS, small_tokens: int = SMALL_TOKENS) -> dict:
+            tokens: int = TOKENS, small_tokens: int = SMALL_TOKENS, quick: bool = False) -> dict:
     """Timing (one process per model), memory (a fresh process per method and length), remote bytes (batch 1,
-    by head, the loopback server) for each model; the workers' results, keyed by model."""
+    by head, the loopback server) for each model; the workers' results, keyed by model. ``quick`` (CI's smoke run):
+    the memory runs share one process per length and wait in ``runner``'s memory queue (``runner.run_deferred``
+    runs them beside each other), and the remote bytes are left to run.py's remote section, which measures the
+    same packed readout (its own loopback server start is the cost saved)."""
     out = {}
     base = ["--spec", str(spec_path), "--batch", str(batch)]
     for model in models:
         entry = {"timing": runner.run(["benchmarks/positions.py", "time", *base, "--model", model, "--tokens",
                                        str(tokens), "--repeats", str(repeats), "--warmup", str(warmup)],
                                       label=f"positions time {model}"), "memory": {}}
-        jobs = [(m, tokens) for m in METHODS if m != "plain_forward"] + [(m, small_tokens) for m in
-                                                                          ("pos_head", "pos_neuron")]
-        for method, n in jobs:
-            result = runner.run(["benchmarks/positions.py", "mem", *base, "--model", model, "--tokens", str(n),
-                                 "--methods", method], memory=True, label=f"positions mem {model} {method} {n}")
-            if result and method in result.get("memory", {}):
-                entry["memory"][f"{method}/{n}"] = result["memory"][method]
-        entry["remote"] = runner.run(["benchmarks/positions.py", "remote", "--spec", str(spec_path), "--batch", "1",
-                                      "--model", model, "--tokens", str(tokens), "--methods", "pos_head"],
-                                     label=f"positions remote {model}")
+        jobs = [([m], tokens) for m in METHODS if m != "plain_forward"] + [([m], small_tokens) for m in
+                                                                            ("pos_head", "pos_neuron")]
+        if quick:
+            jobs = [([m for m in METHODS if m != "plain_forward"], tokens), (["pos_head", "pos_neuron"], small_tokens)]
+        for methods, n in jobs:
+            args = ["benchmarks/positions.py", "mem", *base, "--model", model, "--tokens", str(n), "--methods",
+                    ",".join(methods)]
+
+            def done(result, entry=entry, n=n):
+                for method, value in ((result or {}).get("memory") or {}).items():
+                    entry["memory"][f"{method}/{n}"] = value
+            if quick:
+                runner.defer(args, None, f"positions mem {model} {n}", done)
+            else:
+                done(runner.run(args, memory=True, label=f"positions mem {model} {','.join(methods)} {n}"))
+        entry["remote"] = None if quick else runner.run(
+            ["benchmarks/positions.py", "remote", "--spec", str(spec_path), "--batch", "1", "--model", model,
+             "--tokens", str(tokens), "--methods", "pos_head"], label=f"positions remote {model}")
         out[model] = entry
-    return {"models": out, "batch": batch, "tokens": tokens, "small_tokens": small_tokens, "repeats": repeats}
+    return {"models": out, "batch": batch, "tokens": tokens, "small_tokens": small_tokens, "repeats": repeats,
+            "quick": quick}
 
 
 def targets(positions: dict) -> list[dict]:

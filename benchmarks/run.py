@@ -53,12 +53,19 @@ def log(message: str) -> None:
 
 
 class Runner:
-    """Runs worker subprocesses with the fixed thread count and collects their marked JSON results."""
+    """Runs worker subprocesses with the fixed thread count and collects their marked JSON results. ``forked``
+    (the quick run, CI's smoke test): a timing worker on this interpreter is forked from a zygote that has imported
+    torch, transformers, nnsight and the package (``dla_recipes.testing.zygote``: about 5 s of CPU saved a worker);
+    the full run keeps a fresh process for each, as do memory workers (a fork's resident set starts with the
+    zygote's pages) and workers on another interpreter (TransformerLens's)."""
 
-    def __init__(self, threads: int, python: str, timeout: float):
+    def __init__(self, threads: int, python: str, timeout: float, forked: bool = False):
+        from dla_recipes.testing.zygote import Zygote
+
         self.threads, self.python, self.timeout = threads, python, timeout
         self.failures: list[dict] = []
         self.pending: list = []
+        self.zygote = Zygote(python, self.env()) if forked else None
 
     def env(self, memory: bool = False) -> dict:
         env = dict(os.environ)
@@ -71,6 +78,8 @@ class Runner:
 
     def run(self, args: list[str], python: str | None = None, memory: bool = False, label: str = "") -> dict | None:
         command = [python or self.python, *args]
+        if self.zygote is not None and not memory and python in (None, self.python):
+            command = self.zygote.command("script", args, os.devnull)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(command, capture_output=True, text=True, env=self.env(memory), cwd=ROOT, check=False,
@@ -572,7 +581,7 @@ def main(argv=None) -> int:
         f"TransformerLens {'at ' + opts.tl_python if opts.tl_python else 'skipped'}")
     spec_path = spec_module.write_spec(out_dir, models, batches, opts.quick)
     spec = common.read_json(spec_path)
-    runner = Runner(opts.threads, sys.executable, opts.timeout)
+    runner = Runner(opts.threads, sys.executable, opts.timeout, forked=opts.quick)
     load_before = common.load_average()
     result: dict = {"spec": spec}
     tl_probe = {}
@@ -601,7 +610,8 @@ def main(argv=None) -> int:
     import positions
 
     result["positions"] = (positions.section(runner, spec_path, models, repeats=max(1, min(opts.repeats, 5)),
-                                             warmup=opts.warmup, tokens=32 if opts.quick else positions.TOKENS)
+                                             warmup=opts.warmup, tokens=32 if opts.quick else positions.TOKENS,
+                                             quick=opts.quick)
                            if "positions" not in skip else None)
     sections["positions_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -611,6 +621,8 @@ def main(argv=None) -> int:
     result["gpu"] = gpu_section(runner, out_dir, opts) if "gpu" not in skip else {"skipped": "skipped (--skip gpu)"}
     sections["gpu_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    if runner.zygote is not None:
+        runner.zygote.close()  # the memory runs below are fresh processes
     runner.run_deferred(opts.parallel_mem)
     sections["memory_s"] = time.perf_counter() - t0
     if result["scaling"]:

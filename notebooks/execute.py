@@ -49,6 +49,10 @@ RECIPE_DIR = ROOT / "docs" / "recipes"
 RECIPE_OUT_DIR = ROOT / "build" / "recipes"
 GALLERY = "gallery"  # the gallery page: OUT_DIR / "gallery.ipynb", built from the executed recipes
 LOOPBACK_MODEL = "SmolLM2-135M-Instruct"  # what the loopback server serves a remote recipe
+# what the notebooks import, beyond the package and its stack (dla_recipes.testing.zygote.PRELOAD): imported once
+# by the zygote each kernel is forked from (``execute_all``)
+KERNEL_PRELOAD = ("transformers.models.gemma3.modeling_gemma3", "pandas", "plotly.graph_objects", "plotly.io",
+                  "IPython", "ipykernel.kernelapp", "ipykernel.ipkernel")
 
 
 @dataclass
@@ -226,11 +230,11 @@ def gallery_is_fresh(out_dir: Path = OUT_DIR) -> bool:
 
 
 def execute_recipes(*, reuse: bool = False, keep_ndif_key: bool = False, log=print,
-                    out_dir: Path = RECIPE_OUT_DIR) -> list[Result]:
+                    out_dir: Path = RECIPE_OUT_DIR, zygote=None) -> list[Result]:
     """Run every recipe alone, each in a fresh kernel; write ``timings.json`` beside the executed copies."""
     results = []
     for path in recipes():
-        result = execute(path, out_dir, reuse=reuse, keep_ndif_key=keep_ndif_key)
+        result = execute(path, out_dir, reuse=reuse, keep_ndif_key=keep_ndif_key, zygote=zygote)
         status = "reused" if result.reused else ("ok" if result.ok else "FAILED")
         cpu = f"(kernel CPU {result.cpu_seconds:.1f} s)" if result.cpu_seconds is not None else ""
         log(f"{'recipe ' + result.name:<36} {result.seconds:7.1f} s  {status} {cpu}")
@@ -336,10 +340,34 @@ def kernel_env(keep_ndif_key: bool = False) -> dict:
     return env
 
 
-def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_ndif_key: bool = False) -> Result:
-    """Execute one notebook into ``out_dir`` (once per process for the same sources; ``reuse``: also across runs)."""
-    import nbformat
+def _same_start(env: dict, other: dict) -> bool:
+    """Whether a process started in ``env`` imports as one started in ``other``: the same variables, less pytest's
+    note of the running test (which changes between a fixture and its test)."""
+    def kept(e):
+        return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"}
+    return kept(env) == kept(other)
+
+
+def _kernel_manager(sockets: str, zygote, env: dict):
+    """A kernel manager on IPC sockets in ``sockets``: a kernel forked from ``zygote`` (``dla_recipes.testing.zygote``) when
+    one is given and ``env`` is the environment it was started with, else an ordinary ``ipykernel``."""
     from jupyter_client.manager import KernelManager
+
+    # IPC sockets in a private folder, rather than TCP ports on 127.0.0.1 (which the kernel warns about)
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "kernel"))
+    if zygote is not None and _same_start(env, zygote.env):
+        pid_file = str(Path(sockets) / "kernel.pid")
+        km.format_kernel_cmd = lambda extra_arguments=None: zygote.command("kernel", ["-f", km.connection_file],
+                                                                           pid_file)
+        km.dla_pid_file = pid_file
+    return km
+
+
+def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_ndif_key: bool = False,
+            zygote=None) -> Result:
+    """Execute one notebook into ``out_dir`` (once per process for the same sources; ``reuse``: also across runs),
+    in a kernel forked from ``zygote`` where its environment allows (``execute_all``)."""
+    import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
@@ -363,18 +391,16 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
     is_recipe = source.suffix == ".py"
     nb = recipe_notebook(source) if is_recipe else nbformat.read(source, as_version=4)
     sockets = tempfile.TemporaryDirectory(prefix="dla-kernel-")
-    # IPC sockets in a private folder, rather than TCP ports on 127.0.0.1 (which the kernel warns about)
-    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets.name) / "kernel"))
-    client = NotebookClient(
-        nb, km=km, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=False,
-        resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
-    )
     start = time.perf_counter()
-    error = None
+    error, km = None, None
     try:
         with _recipe_env(source, keep_ndif_key) if is_recipe else contextlib.nullcontext({}) as extra:
+            env = {**kernel_env(keep_ndif_key), **extra}
+            km = _kernel_manager(sockets.name, zygote, env)
+            client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, kernel_name="python3", allow_errors=False,
+                                    resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
             start = time.perf_counter()  # the recipe's own time, not the loopback server's start
-            client.execute(env={**kernel_env(keep_ndif_key), **extra})
+            client.execute(env=env)
     except CellExecutionError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - a kernel that died or timed out: report it as the notebook's failure
@@ -382,7 +408,7 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
     finally:
         seconds = time.perf_counter() - start
         cpu_seconds = _kernel_cpu_seconds(km)
-        if km.has_kernel:  # nbclient leaves a kernel it did not create running: stop it (it holds a model)
+        if km is not None and km.has_kernel:  # nbclient leaves a kernel it did not create running: stop it (it holds a model)
             km.shutdown_kernel(now=True)
         sockets.cleanup()
     nb.metadata["dla_recipes"] = {**wanted, "seconds": round(seconds, 2), "cpu_seconds": cpu_seconds,
@@ -403,17 +429,29 @@ def _kernel_cpu_seconds(km) -> float | None:
     try:
         import psutil
 
-        times = psutil.Process(process.pid).cpu_times()
+        pid_file = getattr(km, "dla_pid_file", None)  # a forked kernel: the launcher wrote the kernel's pid
+        pid = int(Path(pid_file).read_text()) if pid_file else process.pid
+        times = psutil.Process(pid).cpu_times()
         return round(times.user + times.system + times.children_user + times.children_system, 2)
     except Exception:  # noqa: BLE001 - no psutil, or the kernel already gone: not measured
         return None
 
 
 def execute_all(out_dir: Path = OUT_DIR, *, names=None, reuse: bool = False, keep_ndif_key: bool = False,
-                log=print) -> list[Result]:
+                log=print, forked: bool = True) -> list[Result]:
     """Execute every notebook (or those whose stem is in ``names``) and, unless ``names`` leaves it out, every
     recipe and the gallery page; write ``timings.json`` beside the copies. Returns the notebooks' and recipes' results.
+    ``forked``: each kernel is forked from one process that has imported the libraries (``dla_recipes.testing.zygote``;
+    started only if something runs), else each is a plain ``ipykernel``.
     """
+    from dla_recipes.testing.zygote import Zygote
+
+    zygote = Zygote(sys.executable, kernel_env(keep_ndif_key), KERNEL_PRELOAD) if forked else contextlib.nullcontext()
+    with zygote:
+        return _execute_all(out_dir, names, reuse, keep_ndif_key, log, zygote if forked else None)
+
+
+def _execute_all(out_dir: Path, names, reuse: bool, keep_ndif_key: bool, log, zygote) -> list[Result]:
     have = [p.stem for p in notebooks()] + [GALLERY]
     chosen = [p for p in notebooks() if not names or p.stem in names]
     if names and set(names) - set(have):
@@ -421,14 +459,14 @@ def execute_all(out_dir: Path = OUT_DIR, *, names=None, reuse: bool = False, kee
         raise SystemExit(f"no such notebook(s): {', '.join(missing)} (have: {', '.join(have)})")
     results = []
     for source in chosen:
-        result = execute(source, out_dir, reuse=reuse, keep_ndif_key=keep_ndif_key)
+        result = execute(source, out_dir, reuse=reuse, keep_ndif_key=keep_ndif_key, zygote=zygote)
         status = "reused" if result.reused else ("ok" if result.ok else "FAILED")
         log(f"{result.name:<28} {result.seconds:7.1f} s  {status}")
         results.append(result)
     total = write_timings(results, out_dir)
     log(f"{'total':<28} {total:7.1f} s  (reused copies count the time they took)")
     if not names or GALLERY in names:
-        recipe_results = execute_recipes(reuse=reuse, keep_ndif_key=keep_ndif_key, log=log)
+        recipe_results = execute_recipes(reuse=reuse, keep_ndif_key=keep_ndif_key, log=log, zygote=zygote)
         failed = [r.name for r in recipe_results if not r.ok]
         page = build_gallery(recipe_results, out_dir, partial=True)  # what ran; a failed recipe shows as not run
         log(f"gallery page: {page}" + (f" (not run: {', '.join(failed)})" if failed else ""))
@@ -504,8 +542,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output folder (default: {OUT_DIR.relative_to(ROOT)})")
     parser.add_argument("--reuse", action="store_true", help="skip notebooks whose executed copy is up to date")
     parser.add_argument("--ndif", action="store_true", help="keep NDIF_API_KEY: the remote notebook then runs on NDIF")
+    parser.add_argument("--plain-kernels", action="store_true",
+                        help="start each kernel as a plain ipykernel, not forked from one (dla_recipes.testing.zygote)")
     args = parser.parse_args(argv)
-    results = execute_all(args.out, names=args.names, reuse=args.reuse, keep_ndif_key=args.ndif)
+    results = execute_all(args.out, names=args.names, reuse=args.reuse, keep_ndif_key=args.ndif,
+                          forked=not args.plain_kernels)
     failed = [r for r in results if not r.ok]
     for result in failed:
         print(f"\n{result.name} failed (partial output: {result.output}):\n{result.error}", file=sys.stderr)

@@ -7,7 +7,7 @@ block's reads drains the GPU's queue once per block, and the GPU idles while the
 tracks which tensors live "on the device" (the model's parameters and everything computed from them) through every
 op, so a CPU run counts the waits a GPU run would have. Checked on every tiny family, in bfloat16 (the precision
 NDIF serves, where the self-check reads the most), by block, head, neuron and source on a cover of the families x
-granularities (``conftest.cover``: every granularity on one family per group, two on each other family; by source
+granularities (``conftest.cover``: every granularity on one family per group, one on each other family; by source
 with ``upstream=`` on a few families), on a padded batch, on the second call (the first probes the norms, once per
 model); ``attribute_scores`` the same way by block and head, its one copy to the host after the model's last op;
 and on the counter itself: a planted ``.item()`` and a planted ``.to(device)`` of a host index inside a block's
@@ -86,7 +86,7 @@ def waits(counts) -> list:
     return [e[:3] for e in events if not e[1].startswith(ALLOWED)]
 
 
-@pytest.mark.parametrize(("family", "by"), cover(tiny.FAMILIES, ("block", "head", "neuron", "source")))
+@pytest.mark.parametrize(("family", "by"), cover(tiny.FAMILIES, ("block", "head", "neuron", "source"), per_family=1))
 def test_no_wait_for_the_device_inside_the_forward(family, by):
     """By ``by``, on a cover of the families x granularities (``conftest.cover``): no wait and no upload while the
     forward runs, no float32 copy of a whole activation."""
