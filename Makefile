@@ -28,13 +28,17 @@ $(VENV)/.runtime: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[models]"
 	touch $@
 
-# Everything the tests, notebooks, docs and benchmarks need on top. The NDIF server package installs without its
-# dependencies: it declares Python>=3.12 but its request-execution code runs on 3.11 (the loopback server's needs
-# are in the test extra). sae-lens (tests/test_features.py builds real SAEs and transcoders) pins transformer-lens < 4
-# and transformers < 6: it installs without its pins, with only the modules its import needs, none upgrading the
-# stack. Debian's Chromium and its driver serve the browser check of the built site.
-$(VENV)/.test: $(VENV)/.runtime
+# Everything the tests, notebooks, docs and benchmarks need: the runtime's steps with every extra in one resolve
+# (a fresh machine resolves and builds the package once, not twice; it then holds the runtime too). The NDIF server
+# package installs without its dependencies: it declares Python>=3.12 but its request-execution code runs on 3.11
+# (the loopback server's needs are in the test extra). sae-lens (tests/test_features.py builds real SAEs and
+# transcoders) pins transformer-lens < 4 and transformers < 6: it installs without its pins, with only the modules
+# its import needs, none upgrading the stack. Debian's Chromium and its driver serve the browser check of the site.
+$(VENV)/.test: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e ".[models,test,docs]"
+	touch $(VENV)/.runtime
 	$(PIP) install -q --no-deps --ignore-requires-python ndif==0.1.2
 	$(PIP) install -q --no-deps sae-lens==6.54.12 einops==0.8.2 jaxtyping==0.3.11 transformer-lens==3.9.0 \
 	  better-abc==0.0.3 simple-parsing==0.1.9 docstring-parser==0.18.0 wandb==0.31.0 protobuf==7.36.2 \

@@ -444,9 +444,10 @@ def execute_all(out_dir: Path = OUT_DIR, *, names=None, reuse: bool = False, kee
     ``forked``: each kernel is forked from one process that has imported the libraries (``dla_recipes.testing.zygote``;
     started only if something runs), else each is a plain ``ipykernel``.
     """
-    from dla_recipes.testing.zygote import Zygote
+    from dla_recipes.testing.zygote import PRELOAD, Zygote
 
-    zygote = Zygote(sys.executable, kernel_env(keep_ndif_key), KERNEL_PRELOAD) if forked else contextlib.nullcontext()
+    zygote = (Zygote(sys.executable, kernel_env(keep_ndif_key), PRELOAD + KERNEL_PRELOAD) if forked
+              else contextlib.nullcontext())
     with zygote:
         return _execute_all(out_dir, names, reuse, keep_ndif_key, log, zygote if forked else None)
 

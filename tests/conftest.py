@@ -522,6 +522,7 @@ def serve_tiny(root, families, **server_options):
         tiny.build(family).save_pretrained(folder)
         tiny.tokenizer().save_pretrained(folder)
         folders[family] = str(folder)
+    server_options.setdefault("forked", True)  # started from the worker's server zygote (LoopbackServer's forked)
     with LoopbackServer(folders, api_key=secrets.token_hex(16), **server_options) as running:
         yield running
 

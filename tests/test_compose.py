@@ -338,7 +338,7 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served") / "llama"
     tiny.build("llama").save_pretrained(folder)
     tiny.tokenizer().save_pretrained(folder)
-    with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16)) as running:
+    with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16), forked=True) as running:
         yield running
 
 

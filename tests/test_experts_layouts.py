@@ -142,7 +142,7 @@ def server(tmp_path_factory):
         tiny.build(family).save_pretrained(root / family)
         tiny.tokenizer().save_pretrained(root / family)
         folders[family] = str(root / family)
-    with LoopbackServer(folders, api_key=secrets.token_hex(16)) as running:
+    with LoopbackServer(folders, api_key=secrets.token_hex(16), forked=True) as running:
         yield running
 
 

@@ -30,7 +30,7 @@ def server(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("served") / "llama")
     tiny.build("llama").save_pretrained(folder)
     tiny.tokenizer().save_pretrained(folder)
-    with LoopbackServer({"llama": folder}, api_key=secrets.token_hex(16), ndif=True,
+    with LoopbackServer({"llama": folder}, api_key=secrets.token_hex(16), ndif=True, forked=True,
                         min_nnsight_version=versions.client_nnsight()) as running:
         yield running
 

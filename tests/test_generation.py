@@ -308,7 +308,8 @@ def test_ndif_like_server_bfloat16_autocast(tmp_path):
     folder = tmp_path / "llama"
     tiny.build("llama").save_pretrained(folder)
     tiny.tokenizer().save_pretrained(folder)
-    with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16), ndif=True) as running:
+    with LoopbackServer({"llama": str(folder)}, api_key=secrets.token_hex(16), ndif=True,
+                        forked=True) as running:
         remote_model, local_model = running.remote_model("llama"), running.local_model("llama", dispatch=True)
         with running.client():
             remote = dla_recipes.attribute_generation(remote_model, PROMPTS, 4, contrast="runner-up", by="head",

@@ -71,7 +71,8 @@ def model_folders(tmp_path_factory):
 def server(model_folders):
     import psutil
 
-    with LoopbackServer(model_folders, api_key=secrets.token_hex(16), inline_limit=INLINE_LIMIT) as running:
+    with LoopbackServer(model_folders, api_key=secrets.token_hex(16), inline_limit=INLINE_LIMIT,
+                        forked=True) as running:
         yield running
     assert not running.is_running() and not psutil.pid_exists(running.pid), "the server outlived its fixture"
 

@@ -46,7 +46,7 @@ def server(tmp_path_factory):
         tiny.build(family).to(torch.bfloat16 if family == "mixtral" else torch.float32).save_pretrained(
             folders[family])
         tiny.tokenizer().save_pretrained(folders[family])
-    with LoopbackServer(folders, api_key=secrets.token_hex(16), ndif=True,
+    with LoopbackServer(folders, api_key=secrets.token_hex(16), ndif=True, forked=True,
                         min_nnsight_version=versions.client_nnsight()) as running:
         yield running
 

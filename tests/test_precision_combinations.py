@@ -137,7 +137,7 @@ def serve(tmp_path_factory, names, **options):
             folders[name] = str(root / name)
             tiny.build(family).to(dtype).save_pretrained(folders[name])
             tiny.tokenizer().save_pretrained(folders[name])
-    return LoopbackServer(folders, api_key=secrets.token_hex(16), **options)
+    return LoopbackServer(folders, api_key=secrets.token_hex(16), forked=True, **options)
 
 
 @pytest.fixture(scope="module")

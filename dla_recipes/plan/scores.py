@@ -187,12 +187,19 @@ def score_spec(model, plan: Plan, head, by: str) -> ScoreSpec:
 
 
 def rotary_of(plan: Plan, module) -> str | None:
-    """The name of the Python module whose ``apply_rotary_pos_emb(q, k, cos, sin)`` ``module`` rotates with."""
+    """The name of the Python module whose ``apply_rotary_pos_emb(q, k, cos, sin)`` ``module`` rotates with. From
+    transformers 5.25 the function is a ``kernels`` ``Func`` module whose ``forward(*args, **kwargs)`` passes its
+    arguments on to the function (or to a hub kernel of the same contract): taken as it is, since the split keeps
+    only a rotation that rebuilds the attention call's own query and key (``trace.scores.side``), and a function
+    that took its arguments otherwise is refused by that rebuild's check (``scores.check_rebuilt``, naming the
+    family)."""
     name = type(module).__module__
     function = getattr(sys.modules.get(name), "apply_rotary_pos_emb", None)
     if function is None:
         return None
-    parameters = list(inspect.signature(function).parameters)[:4]
-    if parameters != ["q", "k", "cos", "sin"]:
-        refuse(plan, f"its rotary function is apply_rotary_pos_emb({', '.join(parameters)}), not (q, k, cos, sin)")
+    parameters = list(inspect.signature(function).parameters.values())
+    passes_on = bool(parameters) and parameters[0].kind is inspect.Parameter.VAR_POSITIONAL
+    names = [p.name for p in parameters[:4]]
+    if names != ["q", "k", "cos", "sin"] and not passes_on:
+        refuse(plan, f"its rotary function is apply_rotary_pos_emb({', '.join(names)}), not (q, k, cos, sin)")
     return name

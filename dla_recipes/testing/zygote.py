@@ -1,31 +1,35 @@
-"""A fork server for the project's own many short Python processes: Jupyter kernels (the docs) and benchmark
-workers, each forked from one process that has already imported torch, transformers, nnsight, nnterp and the package.
+"""A fork server for the project's own many short Python processes: Jupyter kernels (the docs), benchmark workers and
+loopback NDIF servers (the tests), each forked from one process that has already imported their libraries.
 
-A fresh interpreter spends about 5 s of CPU importing those before its first line runs; the docs start 27 kernels
-and the quick benchmark about ten timing workers, so that import was about a third of each. A *zygote* (``serve``)
-imports them once, runs no torch op (a fork after torch's thread pools start is not safe), and forks a child per
-request. A child starts with warm ``sys.modules`` only: a kernel's namespace is empty (a notebook that forgets an
-import fails as it would for a user), a script runs as ``__main__``. What a child reads from its environment at
-start comes from the request (``os.environ`` is replaced, torch's thread count set from ``OMP_NUM_THREADS``); a
-caller whose environment differs in what is read at import (``execute.py``: a remote recipe's ``NDIF_*``) starts
-an ordinary process instead. Peak-memory measurements stay in fresh processes (a fork's resident set starts with
-the zygote's pages).
+A fresh interpreter spends about 5 s of CPU importing torch, transformers, nnsight and the rest before its first
+line runs; the docs start 27 kernels, the quick benchmark about ten timing workers, the suite about 27 loopback
+servers, so that import was about a third of each. A *zygote* (``serve``) imports them once, runs no torch op (a
+fork after torch's thread pools start is not safe), and forks a child per request. A child starts with warm
+``sys.modules`` only: a kernel's namespace is empty (a notebook that forgets an import fails as it would for a
+user), a script runs as ``__main__``. What a child reads from its environment at start comes from the request
+(``os.environ`` is replaced, torch's thread count set from ``OMP_NUM_THREADS``); a caller whose environment
+differs in what is read at import (``execute.py``: a remote recipe's ``NDIF_*``) starts an ordinary process
+instead. Peak-memory measurements stay in fresh processes (a fork's resident set starts with the zygote's pages).
+The zygote of loopback servers imports the server's stack only, never this package (a real NDIF server has
+neither it nor nnterp: ``loopback.server.SERVER_PRELOAD``).
 
-Two roles, one file (the launcher imports nothing heavy):
+This file is run by its path (as a package module it would import the package first), in two roles; the launcher
+imports nothing heavy:
 
-- ``python -m dla_recipes.testing.zygote serve SOCKET MODULES``: import the comma-separated ``MODULES``, then
-  accept requests on the UNIX socket ``SOCKET``. A request is one JSON line ``{"mode": "kernel" | "script",
-  "argv": [...], "env": {...}, "cwd": ...}`` with the launcher's stdin, stdout and stderr passed as file
-  descriptors; the zygote forks, the child takes its own session, those descriptors, that environment and folder,
-  and becomes ``ipykernel``'s launcher on ``argv`` (``kernel``) or runs the script ``argv[0]`` with ``sys.argv =
-  argv`` (``script``); the zygote answers ``{"pid": N}``, then ``{"exit": code}`` once the child ends. When the
-  launcher's connection closes first (it was killed), the zygote kills the child. It stops when its stdin closes.
-- ``python -m dla_recipes.testing.zygote launch SOCKET PIDFILE MODE ARGV...``: what a caller starts in place of
-  ``python -m ipykernel_launcher ...`` or ``python script.py ...``: asks the zygote for the child, writes its pid to
-  ``PIDFILE`` (the caller reads the child's CPU time there), forwards SIGINT and SIGTERM to it, and exits with its
-  exit code.
+- ``python zygote.py serve SOCKET MODULES``: import the comma-separated ``MODULES``, then accept requests on the
+  UNIX socket ``SOCKET``. A request is one JSON line ``{"mode": ..., "argv": [...], "env": {...}, "cwd": ...}``
+  with the launcher's stdin, stdout and stderr passed as file descriptors; the zygote forks, the child takes its
+  own session, those descriptors, that environment and folder, and becomes ``ipykernel``'s launcher on ``argv``
+  (mode ``kernel``) or runs the script ``argv[0]`` with ``sys.argv = argv`` (``script``, as ``python script.py``;
+  ``safe-script``, as ``python -P script.py``: its folder not on ``sys.path``). The zygote answers ``{"pid": N}``,
+  then ``{"exit": code}`` once the child ends. When the launcher's connection closes first (it was killed), the
+  zygote kills the child. It stops when its stdin closes.
+- ``python zygote.py launch SOCKET PIDFILE MODE ARGV...``: what a caller starts in place of ``python -m
+  ipykernel_launcher ...`` or ``python script.py ...``: asks the zygote for the child, writes its pid to
+  ``PIDFILE`` (the caller reads the child's pid and CPU time there), forwards SIGINT and SIGTERM to it, and exits
+  with its exit code.
 
-``Zygote`` starts and stops a ``serve`` process (on the first command asked of it) and builds the launch command.
+``Zygote`` starts (on the first command asked of it) and stops a ``serve`` process and builds the launch command.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import signal
 import socket
 import sys
 
-# every caller's; a caller adds its own (Zygote(preload=...)): the docs their notebooks' libraries and ipykernel
+# what a client-side child imports (the docs add their notebooks' libraries and ipykernel); the loopback NDIF
+# server's zygote imports the server's stack instead, never the package (``loopback.server.SERVER_PRELOAD``)
 PRELOAD = ("dla_recipes", "nnsight", "nnterp", "torch", "transformers", "transformers.models.llama.modeling_llama")
 
 
@@ -88,11 +93,12 @@ def _become_child(request: dict, fds: list[int]) -> None:
             sys.argv = ["ipykernel_launcher", *argv]
             sys.path.insert(0, os.getcwd())  # as ``python -m ipykernel_launcher`` has it
             kernelapp.launch_new_instance(argv=argv)
-        else:
+        else:  # "script", or "safe-script" as ``python -P script.py``: the script's folder not on sys.path
             import runpy
 
             sys.argv = list(request["argv"])
-            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as ``python script.py`` has it
+            if request["mode"] == "script":
+                sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as ``python script.py`` has it
             runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as stop:
@@ -190,11 +196,14 @@ class Zygote:
     """The ``serve`` process, started on the first kernel asked of it (a context manager: stopped, with what it
     forked, on exit); ``env`` is the environment it runs in, which a forked kernel shares."""
 
-    def __init__(self, python: str, env: dict, preload: tuple[str, ...] = ()):
-        self.python, self.env, self.preload = python, env, PRELOAD + tuple(preload)
+    def __init__(self, python: str, env: dict, preload: tuple[str, ...] = PRELOAD):
+        self.python, self.env, self.preload = python, env, tuple(preload)
         self.process, self.folder = None, None
 
     def start(self) -> None:
+        """Start the ``serve`` process and wait until it has imported ``preload`` (once: a no-op when started)."""
+        if self.process is not None:
+            return
         import subprocess
         import tempfile
 
@@ -207,10 +216,10 @@ class Zygote:
             raise RuntimeError("the kernel zygote did not start (its stderr is above)")
 
     def command(self, mode: str, argv: list[str], pid_file: str) -> list[str]:
-        """What a caller runs in place of ``python -m ipykernel_launcher ARGV`` (``mode="kernel"``) or ``python
-        ARGV`` (``mode="script"``); the child's pid is written to ``pid_file``."""
-        if self.process is None:
-            self.start()
+        """What a caller runs in place of ``python -m ipykernel_launcher ARGV`` (``mode="kernel"``), ``python
+        ARGV`` (``"script"``) or ``python -P ARGV`` (``"safe-script"``); the child's pid is written to
+        ``pid_file``."""
+        self.start()
         return [self.python, __file__, "launch", self.socket, pid_file, mode, *argv]
 
     def close(self) -> None:
