@@ -2,7 +2,8 @@
 #   make demo   - the main job: attribute " Paris" on the default model (SmolLM2-135M-Instruct, fetched from PyPI)
 #   make test   - set-up, make lint, then the whole test suite on both cores (unit, every tiny family, real models,
 #                 loopback NDIF server, notebooks, docs site built with --strict and opened in headless Chromium),
-#                 then the benchmark in quick mode; it prints the seconds of each stage
+#                 then a subset on the newest releases of the stack (make test-newest), then the benchmark in
+#                 quick mode; it prints the seconds of each stage
 #   make test-fast - the inner loop: the suite less the tests marked slow, server, mutants, browser and notebooks
 #                 (pyproject.toml's markers), with DLA_FAST=1 running one tiny family per group of the family table
 #                 (tests/conftest.py FAST_FAMILIES); no lint; it prints how long it took
@@ -19,7 +20,7 @@ PIP := $(PY) -m pip --disable-pip-version-check --no-input
 export OMP_NUM_THREADS ?= 2
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo lint test test-fast docs docs-serve bench bench-quick clean
+.PHONY: demo lint test test-fast test-newest docs docs-serve bench bench-quick clean
 
 # The runtime: torch's CPU build first (from its pinned version, so nothing pulls a CUDA build), then the package.
 $(VENV)/.runtime: pyproject.toml constraints.txt
@@ -74,8 +75,25 @@ test:
 	  stage setup $(MAKE) --no-print-directory $(VENV)/.test && \
 	  stage lint $(MAKE) --no-print-directory lint && \
 	  stage pytest $(PYTEST_PARALLEL) tests && \
+	  stage newest $(MAKE) --no-print-directory test-newest && \
 	  stage benchmark $(PY) benchmarks/run.py --quick --out build/bench-quick; \
 	  status=$$?; $(call STAGES_REPORT,make test); exit $$status
+
+# The newest releases of the stack (constraints-newest.txt, pinned by hand): exactly those wheels, without their
+# dependencies, in build/newest, first on PYTHONPATH over the pinned environment; on them, every verb with every
+# option once, locally and on the loopback server (test_matrix.py: attribute_scores' cells on rotary models), every
+# family group once (test_families.py under DLA_FAST) and the check that the versions imported are the newest ones
+# (test_stack.py, DLA_STACK=newest).
+NEWEST := build/newest
+NEWEST_TESTS := tests/test_stack.py tests/test_matrix.py tests/test_families.py
+$(NEWEST)/.done: constraints-newest.txt $(VENV)/.test
+	rm -rf $(NEWEST)
+	$(PIP) install -q --no-deps --target $(NEWEST) -r constraints-newest.txt
+	touch $@
+
+test-newest: $(NEWEST)/.done
+	env PYTHONPATH=$(abspath $(NEWEST)) DLA_STACK=newest DLA_FAST=1 $(PYTEST_PARALLEL) \
+	  -m "not slow and not browser and not notebooks and not mutants" $(NEWEST_TESTS)
 
 # No lint, no benchmark, no loopback server, browser or notebooks, real models only in SmolLM2's checks that share
 # one load (tests/test_real_models.py): make test runs the rest. DLA_FAST=1 runs one tiny family per group of the

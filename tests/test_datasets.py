@@ -164,6 +164,14 @@ def test_a_resumed_directory_must_be_the_same_call_on_the_same_data(model, tmp_p
     (tmp_path / "file.parquet").write_text("not a directory")
     with pytest.raises(InputError, match="is a file"):
         run(model, ROWS, tmp_path, "file.parquet")
+    # shorter data on the same out=: the rows written from the longer data are not this data's rows
+    with pytest.raises(InputError, match="the data has 4 row.*up to 5: they were written from other data"):
+        run(model, ROWS[:4], tmp_path, "a.parquet")
+    options = {"target": "answer", "contrast": "foil", "batch_size": BATCH, "progress": False, "reduce": "stats",
+               "out": tmp_path / "stats"}
+    dla_recipes.attribute_dataset(model, ROWS[:6], **options)
+    with pytest.raises(InputError, match="the data has 4 row"):  # the statistics saved there too
+        dla_recipes.attribute_dataset(model, ROWS[:4], **options)
 
 
 def test_a_malformed_dataset_names_every_bad_row_and_column(model, tmp_path):
@@ -185,6 +193,8 @@ def test_a_malformed_dataset_names_every_bad_row_and_column(model, tmp_path):
     assert "row 10, column 'score'" in str(info.value)
     with pytest.raises(InputError, match="no column 'question'.*'prompt'"):
         dla_recipes.attribute_dataset(model, pd.DataFrame(ROWS), prompt="question", target="answer")
+    with pytest.raises(InputError, match=r"no column ' Mary'.*Same\(' Mary'\)"):  # a literal, read as a column
+        dla_recipes.attribute_dataset(model, pd.DataFrame(ROWS), target=" Mary")
     with pytest.raises(InputError, match="row 0: no column 'target'"):
         dla_recipes.attribute_dataset(model, ROWS)  # the default target column is "target"
     with pytest.raises(InputError, match="row 4: a str"):

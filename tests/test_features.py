@@ -341,6 +341,32 @@ def test_features_with_neurons_positions_top_frame_and_stats():
     assert "L1.mlp.F3" in list(stats.labels)
 
 
+class OwnTopK:
+    """A TopK dictionary known only by its own ``encode``, its k in ``cfg.k`` and no sae-lens architecture: read from
+    its weights as a ReLU, every one of its 48 latents would fire (``b_enc`` lifts every pre-activation above 0);
+    its own encode fires 4 a site."""
+
+    def __init__(self, d: int):
+        g = torch.Generator().manual_seed(11)
+        self.W_enc, self.b_enc = torch.randn(d, D_SAE, generator=g) / d ** 0.5, torch.full((D_SAE,), 100.0)
+        self.W_dec, self.b_dec = torch.randn(D_SAE, d, generator=g) / d ** 0.5, 0.05 * torch.randn(d, generator=g)
+        self.cfg = types.SimpleNamespace(apply_b_dec_to_input=False, k=4)
+
+    def encode(self, x):
+        pre = torch.relu(x @ self.W_enc + self.b_enc)
+        top = pre.topk(self.cfg.k, dim=-1)
+        return torch.zeros_like(pre).scatter(-1, top.indices, top.values)
+
+    def decode(self, a):
+        return a @ self.W_dec + self.b_dec
+
+
+def test_an_unknown_architecture_runs_its_own_encode():
+    attr, _ = check("llama", "L1.mlp", "plain", sae=OwnTopK(64))  # every latent the reference's, from its own encode
+    latents = [i for i, label in enumerate(attr.labels) if label.startswith("L1.mlp.F")]
+    assert int((attr.values[:, latents] != 0).sum(-1).max()) == 4
+
+
 def test_an_edit_is_attributed_through_the_dictionary():
     """Clamping a latent through the write (``intervene=``: ``5 W_dec[i]`` added to block 2's MLP output) is an edit
     the SAE reads: every latent's part, the bias and the error equal the references on a plain forward with the same
@@ -381,6 +407,17 @@ def test_bad_dictionaries_are_all_named_at_once():
     assert "L1.mlp.F0" in list(by_hook.labels)  # a TransformerLens hook name is a key too
     with pytest.raises(InputError, match="inside|write"):
         dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={"L0.mlp": good, "L2.resid": good})
+
+
+def test_two_keys_naming_one_site_are_refused():
+    """A key and a TransformerLens hook name for the same site (the stream entering block 2 is
+    ``blocks.1.hook_resid_post``): one dictionary would silently replace the other, so both keys are named."""
+    model = model_for("llama")
+    good = calibrated(make("relu", 64), torch.randn(16, 64), "relu")
+    for first, second in (("L2.mlp", "blocks.2.hook_mlp_out"), ("L2.resid", "blocks.1.hook_resid_post")):
+        with pytest.raises(InputError) as raised:
+            dla_recipes.attribute(model, PROMPTS, TARGET, dictionaries={first: good, second: good})
+        assert f"'{first}' and '{second}' both name {first}" in str(raised.value), str(raised.value)
 
 
 def test_a_dataset_reduced_to_stats_over_latents():

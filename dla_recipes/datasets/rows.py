@@ -121,7 +121,8 @@ def chunks(src: Source, size: int, specs: dict, skip: Mapping[int, str] | None =
                and src.columns is not None and s.name not in src.columns]
     if missing:
         raise InputError(f"the data has no column {', '.join(map(repr, missing))}: its columns are "
-                         f"{list(src.columns)}")
+                         f"{list(src.columns)} (a plain string names a column; the same token string for every row "
+                         f"is dla_recipes.datasets.Same({missing[0]!r}))")
     skip = skip or {}
     pending: list[tuple[int, object]] = []
     index = 0
@@ -142,6 +143,11 @@ def chunks(src: Source, size: int, specs: dict, skip: Mapping[int, str] | None =
                 pending = []
     if pending:
         yield check(pending, specs)
+    beyond = [i for i in skip if i >= index]
+    if beyond:  # the rows already written came from longer data: returning them as this data's would be wrong
+        raise InputError(f"the data has {index} row(s), but the rows already written hold row(s) up to "
+                         f"{max(beyond)}: they were written from other data. Give the same data to resume, or a new "
+                         "out=")
 
 
 def check(pending: list[tuple[int, object]], specs: dict) -> Chunk:

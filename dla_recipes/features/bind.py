@@ -68,15 +68,19 @@ def check_weights(key: str, d: Dictionary, d_model: int, dtype: torch.dtype, dev
     if d.keep is not None and not (isinstance(d.keep, int) and not isinstance(d.keep, bool) and d.keep > 0):
         problems.append(f"{key}: keep={d.keep!r}: give how many latents a site sends back, an int > 0 (or None)")
     latent_dims = {"W_dec": 0, "W_enc": 1, "b_enc": 0, "threshold": 0}
+    other_dtype = {}  # dtype -> the tensors in it: one problem a dictionary, not one a tensor
     for name, tensor in d.tensors().items():
         found = _finite(f"{key}: {name}", tensor, latent_dims.get(name))
         if found:
             problems.append(found)
         if tensor.is_floating_point() and tensor.dtype not in (torch.float32, dtype):
-            problems.append(f"{key}: {name} is {tensor.dtype}; the model computes in {dtype}: give the dictionary "
-                            f"in torch.float32 or {dtype} (.to(torch.float32))")
+            other_dtype.setdefault(tensor.dtype, []).append(name)
         if tensor.device.type != "cpu" and tensor.device != device and device.type != "meta":
             problems.append(f"{key}: {name} is on {tensor.device}, the model on {device}: move it to either")
+    for found, names in other_dtype.items():
+        fits = "torch.float32" if dtype == torch.float32 else f"torch.float32 or {dtype}"
+        problems.append(f"{key}: {', '.join(names)} {'is' if len(names) == 1 else 'are'} {found}; the model computes "
+                        f"in {dtype}: give the dictionary in {fits} (.to(torch.float32))")
     return problems
 
 
@@ -92,10 +96,10 @@ def attach(model, plan: Plan, dictionaries: dict, remote=False) -> Plan:
     docstring. Raises ``InputError`` listing every problem of every dictionary."""
     if not isinstance(dictionaries, dict) or not dictionaries:
         raise InputError(f"dictionaries={type(dictionaries).__name__}: give a dict {{'L12.mlp': sae, "
-                         "'L16.resid': sae2, ...}} (keys: 'L<block>.<term>' or 'L<block>.resid')")
+                         "'L16.resid': sae2, ...} (keys: 'L<block>.<term>' or 'L<block>.resid')")
     d_model = int(model.lm_head.weight.shape[-1])
     dtype, device = model.lm_head.weight.dtype, model.lm_head.weight.device
-    problems, terms, streams = [], {}, {}
+    problems, terms, streams, named = [], {}, {}, {}
     for key, obj in dictionaries.items():
         site = _site(key)
         if site is None or not 0 <= site[0] < len(plan.layers) + (site[1] == "resid"):
@@ -103,6 +107,10 @@ def attach(model, plan: Plan, dictionaries: dict, remote=False) -> Plan:
                             f"(terms: {', '.join(p.term.name for p in plan.layers[0])}) or 'L<block>.resid' "
                             f"(the stream entering block 0 .. {len(plan.layers) - 1})")
             continue
+        if site in named:  # 'L10.resid' and 'blocks.9.hook_resid_post', say: one would silently replace the other
+            problems.append(f"{named[site]!r} and {key!r} both name L{site[0]}.{site[1]}: give one dictionary a site")
+            continue
+        named[site] = key
         layer, name = site
         d, found = as_dictionary(obj, key)
         problems += found

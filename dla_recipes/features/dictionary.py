@@ -6,8 +6,11 @@ activation kind with its threshold or ``k``; or, for local runs only, any callab
 and what it reads (``"output"``: the term it splits, an SAE; ``"input"``: what the term's sublayer reads, a
 transcoder). ``as_dictionary`` accepts a ``Dictionary`` as it is, or any object shaped like sae-lens's ``SAE`` /
 ``JumpReLUSAE`` / ``TopKSAE`` / ``Transcoder`` / ``SkipTranscoder`` / ``JumpReLUTranscoder`` (duck-typed: ``W_dec``,
-``b_dec``, ``W_enc``, ``b_enc``, ``threshold``, ``W_skip``, ``cfg``), never importing sae-lens; an object with only
-``W_dec``, ``b_dec`` and ``encode`` uses its own ``encode``. Its problems are returned as messages (``problems``), so
+``b_dec``, ``W_enc``, ``b_enc``, ``threshold``, ``W_skip``, ``cfg``), never importing sae-lens. The latents come
+from the weights when the architecture is known for sure (sae-lens's ``cfg.architecture()``, one of
+``ARCHITECTURES``); otherwise from the object's own ``encode`` where it has one (a guess from the weights could run
+a TopK whose ``k`` lives elsewhere as a ReLU, and the sum would still be exact), else from the weights with the
+activation its attributes say (``threshold``: JumpReLU; ``k`` or ``cfg.k``: TopK; neither: ReLU). Its problems are returned as messages (``problems``), so
 that ``features.attach`` reports every dictionary's at once.
 """
 
@@ -156,7 +159,8 @@ def as_dictionary(obj, key: str) -> tuple[Dictionary | None, list[str]]:
         return obj, []
     W_dec, b_dec = _tensor(obj, "W_dec"), _tensor(obj, "b_dec")
     if W_dec is None or b_dec is None:
-        return None, [(f"{key}: a {type(obj).__name__} is not a dictionary: give an sae-lens SAE / Transcoder (or any "
+        kind = type(obj).__name__
+        return None, [(f"{key}: {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} is not a dictionary: give an sae-lens SAE / Transcoder (or any "
                       "object with W_dec [d_sae, d_out], b_dec and encode / W_enc, b_enc) or a "
                       "dla_recipes.features.Dictionary")]
     cfg = getattr(obj, "cfg", None)
@@ -180,16 +184,19 @@ def as_dictionary(obj, key: str) -> tuple[Dictionary | None, list[str]]:
     if reads is None:
         reads = "input" if W_skip is not None or "transcoder" in type(obj).__name__.lower() else "output"
     W_enc, b_enc, threshold = _tensor(obj, "W_enc"), _tensor(obj, "b_enc"), _tensor(obj, "threshold")
-    k = getattr(cfg, "k", None) if architecture == "topk" else getattr(obj, "k", None)
-    if activation is None:
-        activation = "jumprelu" if threshold is not None else "topk" if isinstance(k, int) else "relu"
-    if W_enc is not None and b_enc is not None:
+    k = getattr(cfg, "k", None) if architecture == "topk" else getattr(obj, "k", getattr(cfg, "k", None))
+    own_encode = callable(getattr(obj, "encode", None))
+    if activation is None and own_encode:  # the architecture is not known for sure: the object's own encode, never
+        encoder = obj.encode  # a guess from its weights (a TopK whose k is elsewhere would be run as a ReLU)
+    elif W_enc is not None and b_enc is not None:
+        if activation is None:
+            activation = "jumprelu" if threshold is not None else "topk" if isinstance(k, int) else "relu"
         b_in = b_dec if reads == "output" and getattr(cfg, "apply_b_dec_to_input", False) else None
         encoder = Encoder(W_enc, b_enc, activation, threshold if activation == "jumprelu" else None,
                           int(k) if activation == "topk" and k is not None else None, b_in)
         if activation == "topk" and encoder.k is None:
             problems.append(f"{key}: a TopK dictionary needs its k (cfg.k)")
-    elif callable(getattr(obj, "encode", None)):
+    elif own_encode:
         encoder = obj.encode
     else:
         return None, problems + [f"{key}: {type(obj).__name__} has W_dec and b_dec but neither W_enc / b_enc nor encode"]
