@@ -149,6 +149,29 @@ def test_a_killed_run_resumes_to_the_rows_of_one_uninterrupted_run(model, tmp_pa
     pd.testing.assert_frame_equal(again, whole, check_exact=True)
 
 
+def test_a_run_stopped_by_hand_says_how_to_resume(model, tmp_path, monkeypatch):
+    """Ctrl-C (or a notebook's stop button) during a chunk's forward: the error says which rows are kept where, and
+    how to go on."""
+    from dla_recipes.datasets import stream
+
+    real, calls = stream.RowsSink.run, []
+
+    def stopped_in_the_third(self, chunk):
+        calls.append(chunk.rows[0])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, chunk)
+
+    monkeypatch.setattr(stream.RowsSink, "run", stopped_in_the_third)
+    with pytest.raises(KeyboardInterrupt) as info:
+        run(model, ROWS, tmp_path, "stopped.parquet")
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"chunk 3 (rows 8..{min(12, len(ROWS)) - 1})" in note and "the 8 row(s) before it are kept in out=" in note, note
+    assert "same out=" in note
+    monkeypatch.setattr(stream.RowsSink, "run", real)
+    assert sorted(run(model, ROWS, tmp_path, "stopped.parquet")["row"]) == list(range(len(ROWS)))
+
+
 def test_a_resumed_directory_must_be_the_same_call_on_the_same_data(model, tmp_path):
     run(model, ROWS[:6], tmp_path, "a.parquet")
     for change in ({"by": "head"}, {"position": [-1]}, {"contrast": "mean"}, {"target": Same("w20")},

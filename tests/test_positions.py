@@ -206,7 +206,7 @@ def test_every_position_is_the_models_logit(family):
 TARGET_KINDS = ("mean", "weighted", "top", "next", "grid")
 
 
-@pytest.mark.parametrize(("family", "kind"), cover(FAMILIES, TARGET_KINDS))
+@pytest.mark.parametrize(("family", "kind"), cover(FAMILIES, TARGET_KINDS, per_family=1))
 def test_linear_targets_are_the_models(family, kind):
     """Any linear function of the logits, at every position, against the plain forward: ``contrast="mean"``
     (logit - the mean logit over the vocabulary), a weighted set (sum of w * logit), ``target=None`` (the plain
@@ -274,9 +274,10 @@ def test_token_id_prompts_are_the_models(family, form):
 
 
 def _granularity_cases():
-    """A cover of families x granularities (``conftest.cover``: every granularity at one position is
-    test_families.py's full product; here the new dimension is several positions)."""
-    for family, by in cover(FAMILIES, GRANULARITIES):
+    """A cover of families x granularities (``conftest.cover``, one granularity a family beyond each group's
+    family, which meets them all: every granularity at one position is test_families.py's full product; here the
+    new dimension is several positions)."""
+    for family, by in cover(FAMILIES, GRANULARITIES, per_family=1):
         yield pytest.param(family, by, marks=source_marks(family) if by == "source" else ())
 
 

@@ -68,6 +68,13 @@ class Stream:
                     result = self.sink.run(self.pending)
                 except RemoteError as error:
                     raise self.stopped(error) from error
+                except KeyboardInterrupt as stop:  # the run killed by hand (or by the notebook's stop button)
+                    if self.out is not None:
+                        stop.add_note(f"attribute_dataset stopped in chunk {self.k + 1} (rows {self.pending.rows[0]}.."
+                                      f"{self.pending.rows[-1]}): the {len(self.sink.done())} row(s) before it are "
+                                      f"kept in out={str(self.out)!r}; calling attribute_dataset again with the same "
+                                      "out= (and the same data, in the same order) attributes the rest")
+                    raise
                 self.sink.add(self.pending, result)
                 self.bar.update(len(self.pending.rows))
                 self.pending, self.k = None, self.k + 1
