@@ -54,10 +54,12 @@ def log(message: str) -> None:
 
 class Runner:
     """Runs worker subprocesses with the fixed thread count and collects their marked JSON results. ``forked``
-    (the quick run, CI's smoke test): a timing worker on this interpreter is forked from a zygote that has imported
-    torch, transformers, nnsight and the package (``dla_recipes.testing.zygote``: about 5 s of CPU saved a worker);
-    the full run keeps a fresh process for each, as do memory workers (a fork's resident set starts with the
-    zygote's pages) and workers on another interpreter (TransformerLens's)."""
+    (the quick run, CI's smoke test): a worker on this interpreter is forked from a zygote that has imported torch,
+    transformers, nnsight and the package (``dla_recipes.testing.zygote``: about 5 s of CPU saved a worker), a
+    memory worker from one started in the memory workers' environment (glibc reads ``MALLOC_*`` at process start,
+    and a fork keeps its parent's allocator settings; ``common.measure_peak`` resets the peak after the model is
+    loaded, so the zygote's pages are not counted above it). The full run keeps a fresh process for each worker,
+    as do workers on another interpreter (TransformerLens's)."""
 
     def __init__(self, threads: int, python: str, timeout: float, forked: bool = False):
         from dla_recipes.testing.zygote import Zygote
@@ -65,7 +67,7 @@ class Runner:
         self.threads, self.python, self.timeout = threads, python, timeout
         self.failures: list[dict] = []
         self.pending: list = []
-        self.zygote = Zygote(python, self.env()) if forked else None
+        self.zygotes = {memory: Zygote(python, self.env(memory)) for memory in (False, True)} if forked else {}
 
     def env(self, memory: bool = False) -> dict:
         env = dict(os.environ)
@@ -78,8 +80,8 @@ class Runner:
 
     def run(self, args: list[str], python: str | None = None, memory: bool = False, label: str = "") -> dict | None:
         command = [python or self.python, *args]
-        if self.zygote is not None and not memory and python in (None, self.python):
-            command = self.zygote.command("script", args, os.devnull)
+        if self.zygotes and python in (None, self.python):
+            command = self.zygotes[memory].command("script", args, os.devnull)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(command, capture_output=True, text=True, env=self.env(memory), cwd=ROOT, check=False,
@@ -621,9 +623,9 @@ def main(argv=None) -> int:
     result["gpu"] = gpu_section(runner, out_dir, opts) if "gpu" not in skip else {"skipped": "skipped (--skip gpu)"}
     sections["gpu_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if runner.zygote is not None:
-        runner.zygote.close()  # the memory runs below are fresh processes
     runner.run_deferred(opts.parallel_mem)
+    for zygote in runner.zygotes.values():
+        zygote.close()
     sections["memory_s"] = time.perf_counter() - t0
     if result["scaling"]:
         result["scaling"]["analysis"] = scaling_analysis(result["scaling"])

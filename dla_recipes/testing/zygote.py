@@ -197,23 +197,30 @@ class Zygote:
     forked, on exit); ``env`` is the environment it runs in, which a forked kernel shares."""
 
     def __init__(self, python: str, env: dict, preload: tuple[str, ...] = PRELOAD):
+        import threading
+
         self.python, self.env, self.preload = python, env, tuple(preload)
         self.process, self.folder = None, None
+        self.starting = threading.Lock()  # callers on several threads (the benchmark's memory pool) start it once
 
     def start(self) -> None:
         """Start the ``serve`` process and wait until it has imported ``preload`` (once: a no-op when started)."""
-        if self.process is not None:
-            return
+        with self.starting:
+            if self.process is None:
+                self._start()
+
+    def _start(self) -> None:
         import subprocess
         import tempfile
 
         self.folder = tempfile.TemporaryDirectory(prefix="dla-zygote-")
         self.socket = os.path.join(self.folder.name, "zygote.sock")
-        self.process = subprocess.Popen([self.python, __file__, "serve", self.socket, ",".join(self.preload)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, text=True)
-        if self.process.stdout.readline().strip() != "ready":
-            self.process.kill()
-            raise RuntimeError("the kernel zygote did not start (its stderr is above)")
+        process = subprocess.Popen([self.python, __file__, "serve", self.socket, ",".join(self.preload)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, text=True)
+        if process.stdout.readline().strip() != "ready":
+            process.kill()
+            raise RuntimeError(f"the zygote importing {', '.join(self.preload)} did not start (its stderr is above)")
+        self.process = process
 
     def command(self, mode: str, argv: list[str], pid_file: str) -> list[str]:
         """What a caller runs in place of ``python -m ipykernel_launcher ARGV`` (``mode="kernel"``), ``python
