@@ -101,8 +101,10 @@ def _become_child(request: dict, fds: list[int]) -> None:
                 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as ``python script.py`` has it
             runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 0
+    except SystemExit as stop:  # as the interpreter exits: None is 0, a number itself, anything else printed, 1
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, int | None):
+            print(stop.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - report on the kernel's stderr, exit non-zero
         import traceback
 
