@@ -174,10 +174,9 @@ def section(runner, spec_path, models=MODELS, repeats: int = 5, warmup: int = 1,
         entry = {"timing": runner.run(["benchmarks/positions.py", "time", *base, "--model", model, "--tokens",
                                        str(tokens), "--repeats", str(repeats), "--warmup", str(warmup)],
                                       label=f"positions time {model}"), "memory": {}}
-        jobs = [([m], tokens) for m in METHODS if m != "plain_forward"] + [([m], small_tokens) for m in
-                                                                            ("pos_head", "pos_neuron")]
-        if quick:
-            jobs = [([m for m in METHODS if m != "plain_forward"], tokens), (["pos_head", "pos_neuron"], small_tokens)]
+        long, short = [m for m in METHODS if m != "plain_forward"], ["pos_head", "pos_neuron"]
+        jobs = ([(long, tokens), (short, small_tokens)] if quick  # one shared process per length
+                else [([m], tokens) for m in long] + [([m], small_tokens) for m in short])
         for methods, n in jobs:
             args = ["benchmarks/positions.py", "mem", *base, "--model", model, "--tokens", str(n), "--methods",
                     ",".join(methods)]

@@ -340,22 +340,14 @@ def kernel_env(keep_ndif_key: bool = False) -> dict:
     return env
 
 
-def _same_start(env: dict, other: dict) -> bool:
-    """Whether a process started in ``env`` imports as one started in ``other``: the same variables, less pytest's
-    note of the running test (which changes between a fixture and its test)."""
-    def kept(e):
-        return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"}
-    return kept(env) == kept(other)
-
-
 def _kernel_manager(sockets: str, zygote, env: dict):
-    """A kernel manager on IPC sockets in ``sockets``: a kernel forked from ``zygote`` (``dla_recipes.testing.zygote``) when
-    one is given and ``env`` is the environment it was started with, else an ordinary ``ipykernel``."""
+    """A kernel manager on IPC sockets in ``sockets``: a kernel forked from ``zygote`` (``dla_recipes.testing.zygote``)
+    when one is given and fits ``env`` (``Zygote.fits``), else an ordinary ``ipykernel``."""
     from jupyter_client.manager import KernelManager
 
     # IPC sockets in a private folder, rather than TCP ports on 127.0.0.1 (which the kernel warns about)
     km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "kernel"))
-    if zygote is not None and _same_start(env, zygote.env):
+    if zygote is not None and zygote.fits(env):
         pid_file = str(Path(sockets) / "kernel.pid")
         km.format_kernel_cmd = lambda extra_arguments=None: zygote.command("kernel", ["-f", km.connection_file],
                                                                            pid_file)
@@ -408,7 +400,8 @@ def execute(source: Path, out_dir: Path = OUT_DIR, *, reuse: bool = False, keep_
     finally:
         seconds = time.perf_counter() - start
         cpu_seconds = _kernel_cpu_seconds(km)
-        if km is not None and km.has_kernel:  # nbclient leaves a kernel it did not create running: stop it (it holds a model)
+        # nbclient leaves a kernel it did not create running: stop it (it holds a model)
+        if km is not None and km.has_kernel:
             km.shutdown_kernel(now=True)
         sockets.cleanup()
     nb.metadata["dla_recipes"] = {**wanted, "seconds": round(seconds, 2), "cpu_seconds": cpu_seconds,

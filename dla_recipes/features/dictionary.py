@@ -10,8 +10,8 @@ transcoder). ``as_dictionary`` accepts a ``Dictionary`` as it is, or any object 
 from the weights when the architecture is known for sure (sae-lens's ``cfg.architecture()``, one of
 ``ARCHITECTURES``); otherwise from the object's own ``encode`` where it has one (a guess from the weights could run
 a TopK whose ``k`` lives elsewhere as a ReLU, and the sum would still be exact), else from the weights with the
-activation its attributes say (``threshold``: JumpReLU; ``k`` or ``cfg.k``: TopK; neither: ReLU). Its problems are returned as messages (``problems``), so
-that ``features.attach`` reports every dictionary's at once.
+activation its attributes say (``threshold``: JumpReLU; ``k`` or ``cfg.k``: TopK; neither: ReLU). Its problems
+are returned as messages (``problems``), so that ``features.attach`` reports every dictionary's at once.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def as_dictionary(obj, key: str) -> tuple[Dictionary | None, list[str]]:
     W_dec, b_dec = _tensor(obj, "W_dec"), _tensor(obj, "b_dec")
     if W_dec is None or b_dec is None:
         kind = type(obj).__name__
-        return None, [(f"{key}: {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} is not a dictionary: give an sae-lens SAE / Transcoder (or any "
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        return None, [(f"{key}: {article} {kind} is not a dictionary: give an sae-lens SAE / Transcoder (or any "
                       "object with W_dec [d_sae, d_out], b_dec and encode / W_enc, b_enc) or a "
                       "dla_recipes.features.Dictionary")]
     cfg = getattr(obj, "cfg", None)

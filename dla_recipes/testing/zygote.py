@@ -8,8 +8,10 @@ fork after torch's thread pools start is not safe), and forks a child per reques
 ``sys.modules`` only: a kernel's namespace is empty (a notebook that forgets an import fails as it would for a
 user), a script runs as ``__main__``. What a child reads from its environment at start comes from the request
 (``os.environ`` is replaced, torch's thread count set from ``OMP_NUM_THREADS``); a caller whose environment
-differs in what is read at import (``execute.py``: a remote recipe's ``NDIF_*``) starts an ordinary process
-instead. Peak-memory measurements stay in fresh processes (a fork's resident set starts with the zygote's pages).
+differs in what is read at start (``start_env``; ``execute.py``: a remote recipe's ``NDIF_*``) starts an
+ordinary process, or another zygote, instead. A peak-memory worker forks from a zygote started in its own environment
+(glibc reads ``MALLOC_*`` at process start) and measures its peak above the state after loading, so the zygote's
+pages, resident from the start, are not counted in it (``benchmarks/run.py``).
 The zygote of loopback servers imports the server's stack only, never this package (a real NDIF server has
 neither it nor nnterp: ``loopback.server.SERVER_PRELOAD``).
 
@@ -44,6 +46,17 @@ import sys
 # what a client-side child imports (the docs add their notebooks' libraries and ipykernel); the loopback NDIF
 # server's zygote imports the server's stack instead, never the package (``loopback.server.SERVER_PRELOAD``)
 PRELOAD = ("dla_recipes", "nnsight", "nnterp", "torch", "transformers", "transformers.models.llama.modeling_llama")
+
+
+# variables that change between calls of one caller and nothing a process reads at start: pytest's name of the
+# running test (a fixture and its test differ in it)
+NOT_READ_AT_START = ("PYTEST_CURRENT_TEST",)
+
+
+def start_env(env: dict, *ignored: str) -> dict:
+    """``env`` less what a child does not read at start (``NOT_READ_AT_START`` and ``ignored``): two environments
+    equal here start children that import alike, so one zygote serves both."""
+    return {k: v for k, v in env.items() if k not in NOT_READ_AT_START and k not in ignored}
 
 
 def preload(names) -> None:
@@ -223,6 +236,10 @@ class Zygote:
             process.kill()
             raise RuntimeError(f"the zygote importing {', '.join(self.preload)} did not start (its stderr is above)")
         self.process = process
+
+    def fits(self, env: dict) -> bool:
+        """Whether a child started in ``env`` imports as this zygote's children do (``start_env``)."""
+        return start_env(env) == start_env(self.env)
 
     def command(self, mode: str, argv: list[str], pid_file: str) -> list[str]:
         """What a caller runs in place of ``python -m ipykernel_launcher ARGV`` (``mode="kernel"``), ``python

@@ -74,10 +74,11 @@ class ServerOptions:
 # before nnsight: see main.py): a ``forked=True`` server is forked from a zygote that has imported these, never
 # dla_recipes or nnterp (the server refuses to import them, as a real NDIF server has neither).
 SERVER_PRELOAD = ("anyio._backends._asyncio", "anyio.abc", "torch", "uvicorn", "fastapi", "starlette.background",
-                  "pydantic", "httpx", "zstandard", "transformers", "transformers.models.llama.modeling_llama", "nnsight",
-                  "nnsight.modeling.transformers", "nnsight.tracing.util", "ndif.common.errors", "ndif.common.schema",
-                  "ndif.services.ray.deployments.modeling.nns", "ndif.services.ray.deployments.modeling.util")
-_ZYGOTES: dict = {}  # (interpreter, the servers' environment less their key and pytest's test name) -> its zygote
+                  "pydantic", "httpx", "zstandard", "transformers", "transformers.models.llama.modeling_llama",
+                  "nnsight", "nnsight.modeling.transformers", "nnsight.tracing.util", "ndif.common.errors",
+                  "ndif.common.schema", "ndif.services.ray.deployments.modeling.nns",
+                  "ndif.services.ray.deployments.modeling.util")
+_ZYGOTES: dict = {}  # (interpreter, the servers' start_env less their key) -> its zygote
 
 
 def _zygote(env: dict):
@@ -85,9 +86,9 @@ def _zygote(env: dict):
     process, started on first use, stopped at exit (and it exits with this process: its stdin closes)."""
     import atexit
 
-    from ..zygote import Zygote
+    from ..zygote import Zygote, start_env
 
-    kept = {k: v for k, v in env.items() if k not in (API_KEY_ENV, "PYTEST_CURRENT_TEST")}
+    kept = start_env(env, API_KEY_ENV)  # the key is read when the server parses its arguments, not at import
     key = (sys.executable, tuple(sorted(kept.items())))
     if key not in _ZYGOTES:
         _ZYGOTES[key] = Zygote(sys.executable, kept, SERVER_PRELOAD)
